@@ -1,0 +1,3 @@
+from aah_lightning.cli import main
+
+main()

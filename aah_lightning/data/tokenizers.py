@@ -1,0 +1,72 @@
+"""Tokenizers: a byte-level default that needs nothing, or a Hugging Face ``tokenizers`` model by name or path."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from aah_lightning.errors import ConfigError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens (0..255); 256 is the end-of-document token."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from a tokenizer.json file, a folder holding one, or a hub name."""
+
+    def __init__(self, spec: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ConfigError(
+                f"data.tokenizer={spec!r} needs the 'tokenizers' package: pip install 'aah-lightning[hf]'"
+            ) from e
+        self.name = spec
+        path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+        if os.path.isfile(path):
+            self.tok = Tokenizer.from_file(path)
+        elif os.path.sep in spec and not os.path.exists(spec):
+            raise ConfigError(f"data.tokenizer={spec!r}: no such file or folder (expected a tokenizer.json)")
+        else:
+            try:
+                self.tok = Tokenizer.from_pretrained(spec)
+            except Exception as e:
+                raise ConfigError(
+                    f"data.tokenizer={spec!r} could not be loaded from the Hugging Face hub ({type(e).__name__}); "
+                    f"pass a local tokenizer.json path, or 'byte'"
+                ) from e
+        vocab = self.tok.get_vocab()
+        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
+        self.vocab_size = self.tok.get_vocab_size()
+        if eos is None:  # no end-of-document token: use one id past the tokenizer's vocabulary
+            eos = self.vocab_size
+            self.vocab_size += 1
+        self.eos_id = eos
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str):
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)

@@ -1,0 +1,186 @@
+"""The LightningModule: the science (loss, optimiser, schedule, window policy). Observation lives in callbacks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.policies import make_policy
+from aah_lightning.errors import require
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio`` at the last step."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        require(self.lr > 0, "model.optim.lr", self.lr, "a positive learning rate")
+        require(self.weight_decay >= 0, "model.optim.weight_decay", self.weight_decay, ">= 0")
+        require(self.warmup_steps >= 0, "model.optim.warmup_steps", self.warmup_steps, ">= 0")
+        require(0 <= self.min_lr_ratio <= 1, "model.optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at ``step``: linear warmup, then cosine to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class AAHModule(L.LightningModule):
+    def __init__(
+        self,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        seq_len: int = 256,
+        vocab_size: int = 257,
+        mlp_ratio: float = 4.0,
+        bias: bool = False,
+        rope_base: float = 10000.0,
+        backend: str = "auto",
+        block_size: int = 128,
+        document_mask: bool = False,
+        aah: Optional[AAHConfig] = None,
+        optim: Optional[OptimConfig] = None,
+    ):
+        """
+        Args:
+            n_layer: transformer blocks.
+            n_head: attention heads per block (each has its own window).
+            n_embd: model width (n_embd / n_head must be even for RoPE).
+            seq_len: training sequence length T (linked from data.seq_len).
+            vocab_size: vocabulary size (linked from the data module's tokenizer).
+            mlp_ratio: MLP hidden width / n_embd.
+            bias: biases in linear layers and norms.
+            rope_base: RoPE frequency base.
+            backend: attention backend: auto, flex, sdpa.
+            block_size: FlexAttention BlockMask tile size.
+            document_mask: queries attend only within their own document.
+            aah: the window policy and its settings.
+            optim: optimiser and schedule.
+        """
+        super().__init__()
+        aah = aah or AAHConfig()
+        optim = optim or OptimConfig()
+        if isinstance(aah, dict):
+            aah = AAHConfig(**aah)
+        if isinstance(optim, dict):
+            optim = OptimConfig(**optim)
+        # Plain values only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters(
+            dict(
+                n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=vocab_size,
+                mlp_ratio=mlp_ratio, bias=bias, rope_base=rope_base, backend=backend, block_size=block_size,
+                document_mask=document_mask, aah=asdict(aah), optim=asdict(optim),
+            )
+        )
+        self.gpt_config = GPTConfig(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            mlp_ratio=mlp_ratio,
+            bias=bias,
+            rope_base=rope_base,
+            backend=backend,
+            block_size=block_size,
+            document_mask=document_mask,
+        )
+        optim.validate()
+        self.aah_config, self.optim_config = aah, optim
+        self.policy = make_policy(aah, n_layer, n_head, seq_len)
+        self.model = GPT(self.gpt_config)
+        self.model.set_windows(self.policy.initial_table())
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    # -- forward / loss ----------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(tokens, doc_ids)
+
+    def _loss(self, batch) -> torch.Tensor:
+        tokens, docs = batch["tokens"], batch["doc_ids"]
+        logits = self.model(tokens[:, :-1], docs[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            table = self.policy.on_train_step(self.global_step, self.model, batch)
+            if table is not None:
+                self.model.set_windows(table)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_loss.update(loss, weight=batch["tokens"].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.test_loss.update(self._loss(batch), weight=batch["tokens"].shape[0])
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.test_loss.compute()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+        self.test_loss.reset()
+
+    # -- optimisation ------------------------------------------------------------------------------------------------
+    def parameter_groups(self) -> list[dict]:
+        """Weight decay on matrices of linear layers only: not on norms, biases or (tied) embeddings."""
+        decay, no_decay = {}, {}
+        for module in self.model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                target = decay if isinstance(module, nn.Linear) and name == "weight" and p is not self.model.wte.weight else no_decay
+                target[id(p)] = p
+        for key in decay.keys() & no_decay.keys():
+            decay.pop(key)
+        return [
+            {"params": list(decay.values()), "weight_decay": self.optim_config.weight_decay},
+            {"params": list(no_decay.values()), "weight_decay": 0.0},
+        ]
+
+    def configure_optimizers(self):
+        cfg = self.optim_config
+        opt = torch.optim.AdamW(self.parameter_groups(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, cfg.warmup_steps, total, cfg.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoint extras -------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["aah_policy"] = self.policy.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.policy.load_state_dict(checkpoint.get("aah_policy", {}))

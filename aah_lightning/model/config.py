@@ -1,0 +1,45 @@
+"""Shape and execution settings of the GPT."""
+
+from dataclasses import dataclass
+
+from aah_lightning.errors import ConfigError, require
+
+BACKENDS = ("auto", "flex", "sdpa", "banded")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 257
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: float = 4.0
+    bias: bool = False
+    rope_base: float = 10000.0
+    # Attention execution (same semantics everywhere; see model/backends.py).
+    backend: str = "auto"
+    block_size: int = 128  # BlockMask tile size for flex
+    document_mask: bool = False  # queries see only keys of their own document
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "block_size"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
+                f"each head needs n_embd / n_head channels (try n_embd={self.n_head * max(1, self.n_embd // self.n_head)})"
+            )
+        head_dim = self.n_embd // self.n_head
+        if head_dim % 2:
+            raise ConfigError(
+                f"head size n_embd/n_head={head_dim} is odd: RoPE rotates channel pairs, so the head size must be even "
+                f"(model.n_embd={self.n_embd}, model.n_head={self.n_head})"
+            )
+        require(self.backend in BACKENDS, "model.backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "a positive number")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head

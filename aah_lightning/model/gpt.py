@@ -1,0 +1,148 @@
+"""A GPT decoder whose heads each attend within their own causal window. Pure PyTorch, read top to bottom.
+
+Pre-norm blocks, rotary position embeddings, tied input/output embeddings, GPT-2 initialisation (std 0.02, residual
+projections scaled by 1/sqrt(2 * n_layer)), no dropout anywhere (FlexAttention has none; LM pre-training rarely
+wants it).
+
+The window table ``windows: int32[n_layer, n_head]`` is a persistent buffer, so every state_dict and checkpoint
+carries it. Policies and the AAH controller write it in place (``set_windows``); attention plans follow on the next
+forward (model/backends.py) and nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, resolve_backend
+from aah_lightning.model.config import GPTConfig
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form) for head size ``dim``."""
+
+    def __init__(self, dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: tuple | None = None
+
+    def forward(self, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+        key = (seq_len, device, dtype)
+        if self._cache is None or self._cache[0] != key:
+            t = torch.arange(seq_len, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache = (key, emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._cache[1], self._cache[2]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: ``[B, H, T, D]``; cos/sin: ``[T, D]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scaled = True
+        # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them.
+        self.capture: list | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # under autocast q is bf16; keep it so
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.capture is not None:
+            self.capture.append((q.detach(), k.detach(), v.detach()))
+        y = attend(q, k, v, plan)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scaled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, plan)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base)
+        # The window table: every head starts with the full causal context.
+        self.register_buffer("windows", torch.full((cfg.n_layer, cfg.n_head), cfg.seq_len, dtype=torch.int32))
+        self.planner = AttentionPlanner(cfg.block_size)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scaled", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @torch.no_grad()
+    def set_windows(self, table) -> None:
+        """Write the window table in place (int ``[n_layer, n_head]``); masks follow on the next forward."""
+        table = torch.as_tensor(table, dtype=torch.int32)
+        if table.shape != self.windows.shape:
+            raise ValueError(f"window table shape {tuple(table.shape)} != (n_layer, n_head) {tuple(self.windows.shape)}")
+        self.windows.copy_(table.to(self.windows.device))
+
+    def attention_plans(self, seq_len: int, doc_ids: Tensor | None = None, backend: str | None = None):
+        """The per-layer plans the next forward will use (also what diagnostics measure)."""
+        needs_grad = torch.is_grad_enabled()
+        name = resolve_backend(backend or self.cfg.backend, self.windows.device, needs_grad, seq_len)
+        docs = doc_ids if self.cfg.document_mask else None
+        return self.planner.plans(self.windows, seq_len, name, docs)
+
+    def forward(self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None) -> Tensor:
+        """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. ``doc_ids`` (``[B, T]``) only matter with
+        ``document_mask``."""
+        T = idx.shape[1]
+        plans = self.attention_plans(T, doc_ids, backend)
+        x = self.wte(idx)
+        cos, sin = self.rotary(T, x.device, torch.float32)
+        for block, plan in zip(self.blocks, plans):
+            x = block(x, cos, sin, plan)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

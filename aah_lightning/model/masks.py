@@ -1,0 +1,124 @@
+"""The attention mask of one layer, in every form the backends need.
+
+``window_mask_mod`` is the single source of truth: query ``q`` may attend to key ``kv`` iff
+``0 <= q - kv < W[h]`` (and, with document masking, both belong to the same document). Every other form here is
+derived from it or checked against it in the tests:
+
+* ``dense_mask``      evaluates the mask_mod on broadcast index grids -> bool ``[B, H, T, T]`` (SDPA, reference);
+* ``window_block_mask`` builds the FlexAttention ``BlockMask`` in closed form from the window row (sliding windows
+  have analytic tile lists, so no ``T x T`` mask is ever materialised) and attaches the mask_mod for partial tiles;
+* ``document_block_mask`` falls back to ``create_block_mask`` when per-batch document ids join the mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+# Document ids are padded to a multiple of this so that FlexAttention's padded tile indices never read out of range
+# (pytorch#137801); it covers every allowed block size.
+_DOC_PAD = 256
+
+
+def window_mask_mod(windows_row: Tensor, doc_ids: Tensor | None = None):
+    """The mask_mod of one layer: causal, within the head's window, optionally within the document.
+
+    ``windows_row`` is the layer's row of the window table (int32 ``[H]``), captured as a tensor so that new window
+    values never trigger a recompile. ``doc_ids`` is ``[B, T]`` (any integer dtype) or None.
+    """
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < windows_row[h])
+
+    if doc_ids is None:
+        return causal_window
+
+    t = doc_ids.shape[-1]
+    docs = torch.nn.functional.pad(doc_ids, (0, -t % _DOC_PAD), value=-1)
+
+    def causal_window_same_document(b, h, q_idx, kv_idx):
+        return causal_window(b, h, q_idx, kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    return causal_window_same_document
+
+
+def dense_mask(mask_mod, batch: int, heads: int, seq_len: int, device) -> Tensor:
+    """Evaluate a mask_mod on broadcast index grids: bool ``[batch, heads, T, T]`` (True = attend)."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    q = torch.arange(seq_len, device=device).view(1, 1, seq_len, 1)
+    kv = torch.arange(seq_len, device=device).view(1, 1, 1, seq_len)
+    return mask_mod(b, h, q, kv).expand(batch, heads, seq_len, seq_len)
+
+
+def window_tiles(windows_row: Tensor, seq_len: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """Tile classes of the causal-window mask, in closed form.
+
+    Returns bool ``(partial, full)`` of shape ``[H, n, n]`` (``n = ceil(T / block_size)``; q tile first): a tile is
+    non-empty iff some pair in it satisfies ``0 <= q - kv < W``, and full iff every pair does (so the kernel can skip
+    the mask_mod there). Padded rows of the last q tile never make a tile full: the last kv tile only meets the
+    diagonal.
+    """
+    n = math.ceil(seq_len / block_size)
+    idx = torch.arange(n, device=windows_row.device)
+    i, j = idx.view(n, 1), idx.view(1, n)
+    w = windows_row.to(torch.int64).view(-1, 1, 1)
+    q_max = torch.clamp(i * block_size + block_size - 1, max=seq_len - 1)
+    closest = (i - j) * block_size - (block_size - 1)  # smallest q - kv inside tile (i, j)
+    farthest = q_max - j * block_size  # largest q - kv inside tile (i, j)
+    nonempty = (j <= i) & (closest < w)
+    full = (j < i) & (farthest < w)
+    return nonempty & ~full, full
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """kv tile counts and indices (selected tiles first, ascending) as FlexAttention wants them."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, order
+
+
+def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128) -> BlockMask:
+    """BlockMask for one layer (B=1 broadcast over the batch, H = number of heads), built analytically."""
+    partial, full = window_tiles(windows_row, seq_len, block_size)
+    kv_num, kv_idx = _ordered(partial.unsqueeze(0))
+    full_num, full_idx = _ordered(full.unsqueeze(0))
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=window_mask_mod(windows_row),
+        seq_lengths=(seq_len, seq_len),
+    )
+
+
+_compiled_create_block_mask = None
+
+
+def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 128) -> BlockMask:
+    """BlockMask for one layer when document ids (per batch) join the mask: built from the mask_mod itself."""
+    global _compiled_create_block_mask
+    build = create_block_mask
+    if doc_ids.is_cuda:  # compiled build avoids the dense [B, H, T, T] intermediate; not worth 10 s on CPU
+        if _compiled_create_block_mask is None:
+            _compiled_create_block_mask = torch.compile(create_block_mask)
+        build = _compiled_create_block_mask
+    batch, seq_len = doc_ids.shape
+    mask_mod = window_mask_mod(windows_row, doc_ids)
+    return build(mask_mod, batch, windows_row.numel(), seq_len, seq_len, device=doc_ids.device, BLOCK_SIZE=block_size)
+
+
+def block_density(block_mask: BlockMask) -> Tensor:
+    """Non-empty (partial + full) tiles / causal tiles, as a 0-dim tensor (no host sync)."""
+    n_q, n_kv = block_mask.kv_indices.shape[-2:]
+    used = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        used = used + block_mask.full_kv_num_blocks.sum()
+    heads = block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
+    causal = n_q * (n_q + 1) // 2 if n_q == n_kv else n_q * n_kv
+    return used.to(torch.float64) / (heads * causal)
