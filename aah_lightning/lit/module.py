@@ -133,6 +133,7 @@ class AAHModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])  # a Python float: no sync
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -1,0 +1,116 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from aah_lightning.data.corpora import stdlib_files
+from aah_lightning.data.packing import EndlessSampler, PackedBlocks, concatenate
+from aah_lightning.data.synthetic import synthetic_documents
+from aah_lightning.data.tokenizers import ByteTokenizer, HFTokenizer
+from aah_lightning.lit.datamodule import TextDataModule
+
+
+def test_packing_separates_documents_with_eos_and_keeps_ids():
+    tokens, ids = concatenate([np.array([1, 2, 3]), np.array([4, 5])], eos_id=9)
+    assert tokens.tolist() == [1, 2, 3, 9, 4, 5, 9]
+    assert ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    blocks = PackedBlocks(tokens, ids, seq_len=2)  # blocks of 3, remainder dropped
+    assert len(blocks) == 2
+    assert blocks[1]["tokens"].tolist() == [9, 4, 5] and blocks[1]["doc_ids"].tolist() == [0, 1, 1]
+    assert blocks[1]["index"] == 1
+
+
+def test_sampler_shards_are_disjoint_cover_the_data_and_resume_exactly():
+    n, world = 103, 2
+    shards = [list(EndlessSampler(n, seed=3, length=n // world, rank=r, world_size=world)) for r in range(world)]
+    assert not set(shards[0]) & set(shards[1])
+    assert len(set(shards[0]) | set(shards[1])) == n - n % world
+    whole = list(EndlessSampler(n, seed=3, length=250, rank=1, world_size=world))  # crosses several epochs
+    resumed = list(EndlessSampler(n, seed=3, length=250 - 77, rank=1, world_size=world, start=77))
+    assert whole[77:] == resumed
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo")
+    assert ids.max() < 256 and tok.decode(ids) == "héllo"
+
+
+def test_stdlib_corpus_has_sources_but_no_test_suites():
+    files = stdlib_files()
+    assert len(files) > 200
+    assert all(f.endswith(".py") for f in files)
+    assert not any("/test/" in f or "/tests/" in f or "/idle_test/" in f for f in files)
+    assert any(f.endswith("/json/decoder.py") for f in files)
+
+
+def test_synthetic_documents_have_the_long_range_copy():
+    docs = synthetic_documents(5, length=40, distance=16, vocab=8, seed=1)
+    for d in docs:
+        assert len(d) == 40 and d.max() < 8
+        assert np.array_equal(d[16:], d[:24])
+    again = synthetic_documents(5, length=40, distance=16, vocab=8, seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip(docs, again))
+
+
+def make_dm(**kw):
+    dm = TextDataModule(**kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_split_is_deterministic_and_disjoint():
+    a = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1)
+    b = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1)
+    assert torch.equal(a.train_set.tokens, b.train_set.tokens) and torch.equal(a.val_set.tokens, b.val_set.tokens)
+    total = len(a.train_set) + len(a.val_set)
+    assert len(a.val_set) == round(0.1 * total)
+    train_docs = set(a.train_set.doc_ids.flatten().tolist())
+    val_docs = set(a.val_set.doc_ids.flatten().tolist())
+    assert len(train_docs & val_docs) <= 1  # only the document cut by the split boundary
+
+
+def test_stdlib_data_module_blocks():
+    dm = make_dm(source="stdlib", seq_len=128, max_documents=40)
+    item = dm.train_set[0]
+    assert item["tokens"].shape == (129,) and item["tokens"].max() <= 256
+    assert dm.vocab_size == 257
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_local_files_through_datasets(tmp_path, kind):
+    texts = [f"document number {i} " * 20 for i in range(12)]
+    if kind == "txt":
+        for i, t in enumerate(texts):
+            (tmp_path / f"d{i}.txt").write_text(t)
+        paths = [str(tmp_path / "*.txt")]
+    elif kind == "jsonl":
+        (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts))
+        paths = [str(tmp_path / "d.jsonl")]
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet")
+        paths = [str(tmp_path / "d.parquet")]
+    field = "text" if kind == "txt" else "body"
+    dm = make_dm(source="files", paths=paths, text_field=field, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    n_tokens = sum(len(t.encode()) + 1 for t in texts)
+    assert (len(dm.train_set) + len(dm.val_set)) == n_tokens // 65
+    decoded = ByteTokenizer().decode(dm.train_set[0]["tokens"].tolist())
+    assert "document number" in decoded
+
+
+def test_hf_tokenizer_from_a_local_file(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["def f(x): return x + 1"] * 50, trainers.BpeTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.eos_id == tok.token_to_id("</s>")
+    dm = make_dm(source="stdlib", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=32, max_documents=5)
+    assert dm.vocab_size == tok.get_vocab_size()
+    assert int(dm.train_set.tokens.max()) < dm.vocab_size

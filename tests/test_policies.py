@@ -1,0 +1,81 @@
+import glob
+
+import pytest
+import torch
+import yaml
+
+from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.policies import make_policy
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.module import AAHModule
+
+
+def test_full_fixed_static_tables():
+    assert torch.equal(make_policy(AAHConfig("full"), 2, 3, 64).initial_table(), torch.full((2, 3), 64, dtype=torch.int32))
+    assert torch.equal(make_policy(AAHConfig("fixed", window=8), 2, 3, 64).initial_table(), torch.full((2, 3), 8, dtype=torch.int32))
+    table = [[1, 2, 64], [8, 8, 16]]
+    assert make_policy(AAHConfig("static", table=table), 2, 3, 64).initial_table().tolist() == table
+
+
+def test_random_policy_is_seeded_redraws_on_schedule_and_resumes():
+    cfg = AAHConfig("random", candidates=[4, 8, 16, 32], seed=5, redraw_interval=10)
+    a, b = make_policy(cfg, 3, 4, 32), make_policy(cfg, 3, 4, 32)
+    first = a.initial_table()
+    assert torch.equal(first, b.initial_table())
+    assert set(first.flatten().tolist()) <= {4, 8, 16, 32}
+    assert a.on_train_step(9, None, None) is None
+    redrawn = a.on_train_step(10, None, None)
+    assert redrawn is not None and not torch.equal(redrawn, first)
+    # a policy restored from a's state makes a's next decision
+    c = make_policy(cfg, 3, 4, 32)
+    c.initial_table()
+    c.load_state_dict(a.state_dict())
+    assert torch.equal(c.on_train_step(20, None, None), a.on_train_step(20, None, None))
+
+
+@pytest.mark.parametrize(
+    "cfg, setting",
+    [
+        (AAHConfig("nonsense"), "model.aah.policy"),
+        (AAHConfig("fixed", window=0), "model.aah.window"),
+        (AAHConfig("fixed", window=65), "model.aah.window"),
+        (AAHConfig("random", candidates=[0, 8]), "model.aah.candidates"),
+        (AAHConfig("random", candidates=[8, 128]), "model.aah.candidates"),
+        (AAHConfig("static", table=[[8, 8, 8]]), "model.aah.table"),
+    ],
+)
+def test_bad_policy_settings_name_the_setting(cfg, setting):
+    with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+        make_policy(cfg, 2, 3, 64)
+
+
+def load_config(*paths):
+    merged = {}
+    for path in paths:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        for key, value in doc.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/policies/*.yaml")))
+def test_each_policy_config_builds_the_table_it_describes(path):
+    cfg = load_config("configs/quickstart.yaml", path)
+    model_cfg = cfg["model"]
+    module = AAHModule(**{k: v for k, v in model_cfg.items() if k != "aah"}, seq_len=cfg["data"]["seq_len"],
+                       aah=AAHConfig(**model_cfg["aah"]))
+    table = module.model.windows
+    aah = model_cfg["aah"]
+    assert table.shape == (model_cfg["n_layer"], model_cfg["n_head"])
+    if aah["policy"] == "full":
+        assert (table == cfg["data"]["seq_len"]).all()
+    elif aah["policy"] == "fixed":
+        assert (table == aah["window"]).all()
+    elif aah["policy"] == "static":
+        assert table.tolist() == aah["table"]
+    else:
+        assert set(table.flatten().tolist()) <= set(aah["candidates"])
