@@ -12,13 +12,13 @@ def tiny_cli_args(tmp_path, *extra, steps=6, source="synthetic", seq_len=32, sub
     fit_only = [
         f"--trainer.max_steps={steps}",
         "--trainer.val_check_interval=3",
-        f"--checkpoint.dirpath={tmp_path}/ckpt",
         "--throughput.window=2",
         "--diagnostics.every_n_steps=2",
     ]
     return [
         subcommand,
         *(fit_only if subcommand == "fit" else []),
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
         "--trainer.accelerator=cpu",
         "--trainer.devices=1",
         "--trainer.limit_val_batches=2",
