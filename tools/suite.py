@@ -1,0 +1,210 @@
+"""Run the paper's rows x seeds, read every run's TensorBoard events, and write the comparison.
+
+    python tools/suite.py --rows configs/cpu --seeds 0 1 2 --out runs/suite_cpu
+
+A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) and one overlay per row
+(``<row>.yaml``). Each run is ``aah fit --config base.yaml --config <row>.yaml --seed_everything <seed>``, logged to
+``<out>/<row>/seed<seed>/``. Finished runs are skipped when the suite is started again, so an interrupted suite
+resumes. Outputs in ``<out>``: ``results.csv`` (one line per run), ``results.md`` (mean +- std over seeds per row,
+difference to the baseline row) and ``val_loss_vs_acr.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+# Scalars read from each run: column -> (tag, how to reduce the logged series)
+COLUMNS = {
+    "val_loss": ("val/loss", "last"),
+    "val_ppl": ("val/ppl", "last"),
+    "acr": ("aah/acr", "last"),
+    "causal_coverage": ("aah/causal_coverage", "last"),
+    "block_density": ("aah/block_density", "last"),
+    "attention_mass_coverage": ("aah/attention_mass_coverage", "last"),
+    "tokens_per_sec": ("perf/tokens_per_sec", "median"),
+}
+BASELINE = "baseline"
+
+
+def row_files(rows_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(rows_dir, "*.yaml")))
+    return [f for f in files if os.path.basename(f) != "base.yaml"]
+
+
+def row_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def run_dir(out: str, row: str, seed: int) -> str:
+    return os.path.join(out, row, f"seed{seed}")
+
+
+def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[str]) -> list[str]:
+    row, rd = row_name(row_path), run_dir(out, row_name(row_path), seed)
+    return [
+        sys.executable, "-m", "aah_lightning", "fit",
+        "--config", os.path.join(rows_dir, "base.yaml"),
+        "--config", row_path,
+        f"--seed_everything={seed}",
+        f"--trainer.logger.init_args.save_dir={os.path.join(out, row)}",
+        f"--trainer.logger.init_args.name=seed{seed}",
+        "--trainer.logger.init_args.version=logs",
+        f"--checkpoint.dirpath={os.path.join(rd, 'checkpoints')}",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+    ]
+
+
+def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: sorted(values) for tag, values in series.items()}
+
+
+def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    out = {}
+    for column, (tag, how) in COLUMNS.items():
+        values = [v for _, v in series.get(tag, [])]
+        if not values:
+            out[column] = math.nan
+        elif how == "last":
+            out[column] = values[-1]
+        else:
+            out[column] = statistics.median(values)
+    return out
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def fmt(mean: float, std: float, digits: int = 4) -> str:
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["row", "seed", "wall_s", *COLUMNS])
+        writer.writeheader()
+        writer.writerows(records)
+
+    by_row = {r: [x for x in records if x["row"] == r] for r in rows}
+    base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
+    lines = [
+        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | ACR | causal coverage | block density | "
+        "attention-mass coverage | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        recs = by_row[r]
+        if not recs:
+            continue
+        stats = {c: mean_std([x[c] for x in recs]) for c in COLUMNS}
+        # Paired difference: the same seed's baseline run, so init noise partly cancels.
+        diffs = [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
+        d_mean, d_std = mean_std(diffs) if r != BASELINE else (math.nan, math.nan)
+        lines.append(
+            f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | "
+            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | {fmt(*stats['acr'], 3)} | "
+            f"{fmt(*stats['causal_coverage'], 3)} | {fmt(*stats['block_density'], 3)} | "
+            f"{fmt(*stats['attention_mass_coverage'], 3)} | {fmt(*stats['tokens_per_sec'], 0)} |"
+        )
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table)
+    plot(out, by_row)
+    return table
+
+
+def plot(out: str, by_row: dict[str, list[dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r, recs in by_row.items():
+        acr, loss = mean_std([x["acr"] for x in recs]), mean_std([x["val_loss"] for x in recs])
+        if math.isnan(acr[0]) or math.isnan(loss[0]):
+            continue
+        ax.errorbar(acr[0], loss[0], xerr=acr[1], yerr=loss[1], fmt="o", capsize=3)
+        ax.annotate(r, (acr[0], loss[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("ACR (mean over layers and heads of min(W, T) / T)")
+    ax.set_ylabel("final validation loss (nats/token), mean ± std over seeds")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "val_loss_vs_acr.png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", required=True, help="folder with base.yaml and one yaml per row")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", nargs="*", help="run only these rows")
+    p.add_argument("--rerun", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
+    args = p.parse_args(argv)
+    extra = [a for a in args.extra if a != "--"]
+
+    os.makedirs(args.out, exist_ok=True)
+    files = [f for f in row_files(args.rows) if not args.only or row_name(f) in args.only]
+    rows = [row_name(f) for f in files]
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    records, started = [], time.time()
+    for path in files:
+        for seed in args.seeds:
+            rd = run_dir(args.out, row_name(path), seed)
+            done = os.path.join(rd, "done")
+            cmd = fit_command(args.rows, path, seed, args.out, extra)
+            if args.dry_run:
+                print(" ".join(shlex.quote(a) for a in cmd))
+                continue
+            if args.rerun or not os.path.exists(done):
+                shutil.rmtree(rd, ignore_errors=True)  # a half-finished run starts clean
+                os.makedirs(rd)
+                t0 = time.time()
+                with open(os.path.join(rd, "fit.log"), "w") as log:
+                    result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+                if result.returncode != 0:
+                    sys.exit(f"{row_name(path)} seed {seed} failed (exit {result.returncode}); see {rd}/fit.log")
+                with open(done, "w") as f:
+                    f.write(f"{time.time() - t0:.1f}\n")
+            with open(done) as f:
+                wall = float(f.read())
+            record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(read_scalars(rd))}
+            records.append(record)
+            print(f"{record['row']:>28} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
+                  f"{wall:.0f} s", flush=True)
+    if args.dry_run:
+        return
+    print(write_outputs(args.out, records, rows))
+    print(f"suite wall time: {time.time() - started:.0f} s (this invocation); "
+          f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s")
+
+
+if __name__ == "__main__":
+    main()
