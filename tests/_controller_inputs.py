@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
@@ -68,3 +69,12 @@ def random_profiles(n_layer: int, n_head: int, n_cand: int, generator: torch.Gen
     steps = torch.rand(n_layer, n_head, n_cand, generator=generator, dtype=torch.float64) ** 3
     m = steps.cumsum(-1)
     return m / m[..., -1:]
+
+
+@pytest.fixture
+def one_thread():
+    """Train tiny models on one thread: faster, and on a busy machine two spin-waiting threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

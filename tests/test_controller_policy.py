@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from _controller_inputs import adaptive, synthetic_features
+from _controller_inputs import adaptive, one_thread, synthetic_features  # noqa: F401  (one_thread: fixture)
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.controller.adaptive import AdaptivePolicy
@@ -218,7 +218,7 @@ def _same_state(a: dict, b: dict):
 
 
 @pytest.mark.parametrize("grouping", ["cluster", "fixed_random"])
-def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping):
+def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping, one_thread):
     g = torch.Generator().manual_seed(0)
     data = [
         {"tokens": torch.randint(0, 32, (4, T + 1), generator=g), "doc_ids": torch.zeros(4, T + 1, dtype=torch.long)}
