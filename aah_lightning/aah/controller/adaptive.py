@@ -35,6 +35,7 @@ from aah_lightning.aah.controller.grouping import (
 from aah_lightning.aah.controller.hierarchy import Hierarchy, build_hierarchy
 from aah_lightning.aah.policies import WindowPolicy
 from aah_lightning.aah.probe import run_probe
+from aah_lightning.errors import ConfigError
 
 
 class AdaptivePolicy(WindowPolicy):
@@ -192,10 +193,12 @@ class AdaptivePolicy(WindowPolicy):
         if not state:
             return
         self.ema = None if state["ema"] is None else state["ema"].to(torch.float64).clone()
-        if self.ema is not None and self.ema.shape[:2] != (self.n_layer, self.n_head):
-            raise ValueError(
-                f"controller state has features for {tuple(self.ema.shape[:2])} (layers, heads), "
-                f"the model has ({self.n_layer}, {self.n_head})"
+        expected = (self.n_layer, self.n_head, self.layout.size)
+        if self.ema is not None and tuple(self.ema.shape) != expected:
+            raise ConfigError(
+                f"the checkpoint's controller state has features of shape {tuple(self.ema.shape)} (layers, heads, "
+                f"features), this run expects {expected}: model.n_layer, model.n_head and model.aah.candidates must "
+                f"match the checkpoint"
             )
         self.partitions = [None if p is None else [list(map(int, g)) for g in p] for p in state["partitions"]]
         self.random_partitions = [

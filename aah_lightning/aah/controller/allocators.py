@@ -115,8 +115,9 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
     for level in range(top - 1, -1, -1):
         groups = h.levels[level]
         chosen[level] = [0] * len(groups)
+        parents = h.parents(level)
         for parent, parent_group in enumerate(h.levels[level + 1]):
-            kids = h.children(level, parent)
+            kids = [c for c, p in enumerate(parents) if p == parent]
             parent_idx = chosen[level + 1][parent]
             cap = parent_idx if inputs.parent_constraint else K - 1
             budget = None if inputs.budget is None else len(parent_group) * float(inputs.costs[parent_idx])

@@ -43,30 +43,34 @@ def agglomerate(
     starting from level-l groups it continues the same dendrogram to level l+1.
     """
     groups = canonical(start)
-    n = len(groups)
-    link = torch.empty(n, n, dtype=torch.float64)
-    for a in range(n):
-        for b in range(n):
-            link[a, b] = dist[groups[a]][:, groups[b]].mean()
+    member = torch.zeros(len(groups), dist.shape[0], dtype=torch.float64)
+    for i, g in enumerate(groups):
+        member[i, g] = 1.0 / len(g)
+    # Mean distance between the members of two groups; a few dozen items, so plain floats from here on.
+    link = (member @ dist.to(torch.float64) @ member.T).tolist()
     sizes = [len(g) for g in groups]
+
+    def nearest(a: int) -> int:
+        return min((link[a][b], b) for b in range(len(groups)) if b != a)[1]
+
     while len(groups) > 1:
-        masked = link.clone()
-        masked.fill_diagonal_(float("inf"))
-        flat = int(torch.argmin(masked))  # first minimum in row-major order: the lowest (a, b), a < b
-        a, b = divmod(flat, len(groups))
-        if masked[a, b] > threshold:
+        # closest pair; ties go to the lowest (a, b)
+        d, a, b = min((link[a][b], a, b) for a in range(len(groups)) for b in range(a + 1, len(groups)))
+        if d > threshold:
             small = [i for i, s in enumerate(sizes) if s < min_size]
             if small:
                 a = min(small, key=lambda i: (sizes[i], i))
-                b = int(torch.argmin(masked[a]))
+                a, b = sorted((a, nearest(a)))
             elif max_groups is None or len(groups) <= max_groups:
                 break
-        a, b = min(a, b), max(a, b)
         # Lance-Williams update for average linkage; the merged group keeps slot a (its first head is smaller).
-        merged = (sizes[a] * link[a] + sizes[b] * link[b]) / (sizes[a] + sizes[b])
-        link[a], link[:, a] = merged, merged
-        keep = [i for i in range(len(groups)) if i != b]
-        link = link[keep][:, keep]
+        merged = [(sizes[a] * x + sizes[b] * y) / (sizes[a] + sizes[b]) for x, y in zip(link[a], link[b])]
+        link[a] = merged
+        for i, row in enumerate(link):
+            row[a] = merged[i]
+        del link[b]
+        for row in link:
+            del row[b]
         groups[a] = sorted(groups[a] + groups[b])
         sizes[a] += sizes[b]
         del groups[b], sizes[b]
