@@ -243,3 +243,20 @@ def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping, one
     model_a, policy_a, opt_a = _fresh(grouping)
     _train_and_control(model_a, policy_a, opt_a, range(15), data)
     _same_state(policy_a.state_dict(), policy.state_dict())
+
+
+def test_diagnostics_read_the_decision_from_the_policy_and_from_its_checkpointed_state():
+    from aah_lightning.aah import diagnostics
+
+    policy = feed_policy(n_layer=2, depth=2, threshold=0.5)
+    rows = torch.stack([torch.stack([LOCAL, LOCAL, MID, MID, FAR, FAR]), torch.stack([LOCAL] * 5 + [FAR])])
+    table = policy.decide(synthetic_features(policy, rows), step=7)
+    for source in (policy, _roundtrip(policy.state_dict())):
+        trees = diagnostics.group_trees(source, 2)
+        assert [t.levels for t in trees] == [h.levels for h in policy.hierarchies]
+        assert [t.windows for t in trees] == policy.group_windows
+        assert diagnostics.group_stats(trees) == (policy.levels_used(), policy.group_counts())
+        assert diagnostics.decision_step(source) == 7
+    assert [t.windows[0] for t in diagnostics.group_trees(policy, 2)] == [
+        [int(table[layer, g[0]]) for g in policy.hierarchies[layer].levels[0]] for layer in range(2)
+    ]

@@ -76,7 +76,8 @@ class AdaptivePolicy(WindowPolicy):
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
             return None
-        tokens, docs = batch["tokens"][:, :-1], batch["doc_ids"][:, :-1]
+        docs = batch.get("doc_ids")
+        tokens, docs = batch["tokens"][:, :-1], None if docs is None else docs[:, :-1]
         previous = self.table
         table = self.decide(self.measure(model, tokens, docs), step)
         return None if previous is not None and torch.equal(previous, table) else table
