@@ -11,7 +11,7 @@ from aah_lightning.aah.probe import ProbeResult
 
 
 def local_head(seq_len: int, reach: int) -> torch.Tensor:
-    """``[T, T]`` probabilities: each query spreads its mass evenly over the ``reach`` closest keys (itself included)."""
+    """``[T, T]`` probabilities: each query spreads its mass evenly over its ``reach`` closest keys (itself too)."""
     p = torch.zeros(seq_len, seq_len)
     for i in range(seq_len):
         lo = max(0, i - reach + 1)
@@ -27,7 +27,7 @@ def distant_head(seq_len: int, distance: int) -> torch.Tensor:
     return p
 
 
-def constructed_probe(layers: list[list[torch.Tensor]], n_seq: int = 2, head_dim: int = 8, seed: int = 0) -> ProbeResult:
+def constructed_probe(layers: list[list[torch.Tensor]], n_seq: int = 2, head_dim: int = 8, seed: int = 0):
     """A probe whose full-causal probabilities are the given ``[T, T]`` head patterns (every query sampled).
 
     q, k, v are the same random tensors for every head, so heads differ only through their attention.

@@ -88,7 +88,8 @@ def test_parent_constraint_holds_on_every_hierarchy():
     for trial in range(40):
         depth = 1 + trial % 4
         budget = {} if trial % 3 else {"target_acr": 0.3 + 0.02 * (trial % 10)}
-        policy = adaptive(3, 8, T, CANDS, depth=depth, threshold=0.3 + 0.05 * (trial % 7), threshold_growth=1.6, **budget)
+        threshold = 0.3 + 0.05 * (trial % 7)
+        policy = adaptive(3, 8, T, CANDS, depth=depth, threshold=threshold, threshold_growth=1.6, **budget)
         profiles = random_profiles(3, 8, len(CANDS), g)
         policy.decide(synthetic_features(policy, profiles, 1 + torch.rand(3, 8, 9, generator=g)), step=0)
         for layer in range(3):
@@ -123,7 +124,9 @@ def test_budget_is_never_exceeded(measure):
     for trial in range(30):
         target = 0.13 + 0.028 * trial
         depth = 1 + trial % 3
-        policy = adaptive(2, 8, T, CANDS, depth=depth, threshold=0.4, parent_constraint=trial % 2 == 0, **{measure: target})
+        policy = adaptive(
+            2, 8, T, CANDS, depth=depth, threshold=0.4, parent_constraint=trial % 2 == 0, **{measure: target}
+        )
         profiles = random_profiles(2, 8, len(CANDS), g)
         table = policy.decide(synthetic_features(policy, profiles, 1 + torch.rand(2, 8, 9, generator=g)), step=0)
         spend = metrics.acr if measure == "target_acr" else metrics.causal_coverage

@@ -77,7 +77,7 @@ def test_schedule_warmup_interval_and_freeze():
 
 def test_unchanged_decision_returns_none_and_changes_return_the_table():
     policy = feed_policy()
-    policy.feed += [feats(policy, LOCAL, LOCAL, LOCAL, FAR, FAR, FAR)] * 2 + [feats(policy, FAR, FAR, FAR, FAR, FAR, FAR)]
+    policy.feed += [feats(policy, LOCAL, LOCAL, LOCAL, FAR, FAR, FAR)] * 2 + [feats(policy, *[FAR] * 6)]
     assert policy.on_train_step(0, None, BATCH).tolist() == [[4, 4, 4, 64, 64, 64]]
     assert policy.on_train_step(1, None, BATCH) is None
     # alpha 0.5: the EMA of the local heads is now 0.5 * LOCAL + 0.5 * FAR, which needs window 64 (0.75 at 32)
@@ -85,7 +85,8 @@ def test_unchanged_decision_returns_none_and_changes_return_the_table():
 
 
 def test_ema_smooths_and_alpha_zero_disables_it():
-    a, b = feats(feed_policy(), LOCAL, FAR, MID, LOCAL, FAR, MID), feats(feed_policy(), FAR, LOCAL, LOCAL, MID, MID, FAR)
+    a = feats(feed_policy(), LOCAL, FAR, MID, LOCAL, FAR, MID)
+    b = feats(feed_policy(), FAR, LOCAL, LOCAL, MID, MID, FAR)
     smooth, raw = feed_policy(ema_alpha=0.75), feed_policy(ema_alpha=0.0)
     for policy in (smooth, raw):
         policy.decide(a, 0)

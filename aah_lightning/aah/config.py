@@ -71,13 +71,17 @@ class ControllerConfig:
         from aah_lightning.aah.controller.allocators import ALLOCATORS, window_costs
 
         key = "model.aah.controller."
-        require(self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all")
+        require(
+            self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
+        )
         require(
             self.grouping in ("cluster", "none", "fixed_random"), key + "grouping", self.grouping,
             "cluster, none or fixed_random",
         )
         require(self.metric in ("euclidean", "cosine"), key + "metric", self.metric, "euclidean or cosine")
-        require(self.allocator in ALLOCATORS, key + "allocator", self.allocator, f"one of {', '.join(sorted(ALLOCATORS))}")
+        require(
+            self.allocator in ALLOCATORS, key + "allocator", self.allocator, f"one of {', '.join(sorted(ALLOCATORS))}"
+        )
         require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
         require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
         require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")
