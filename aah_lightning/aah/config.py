@@ -2,10 +2,135 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from aah_lightning.errors import ConfigError, require
+
+
+@dataclass
+class ControllerConfig:
+    """Settings of the ``adaptive`` policy: the AAH controller (``model.aah.controller``; docs/controller.md).
+
+    Probe and features:
+        probe_sequences: sequences of the current batch the probe runs (cost does not grow with the batch size).
+        probe_queries: query positions sampled per sequence (stratified over the sequence).
+        feature_set: what the heads are grouped by: ``paper`` (nine q/k/v/attention statistics), ``reach``
+            (attention-mass profile over the candidates plus mean log-distance) or ``all`` (both, equal weight).
+        ema_alpha: feature smoothing across control steps, ``m <- a*m + (1-a)*x``; 0 disables it.
+        feature_floor: a feature's spread across a layer's heads counts as noise below this fraction of its mean
+            magnitude (standardisation divides by at least that, instead of blowing noise up to unit variance).
+    Grouping and hierarchy (per layer):
+        grouping: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group) or
+            ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer).
+        metric: ``euclidean`` (RMS distance of standardised features) or ``cosine``.
+        threshold: level-0 cut of the dendrogram (merge while the average linkage is at most this).
+        threshold_growth: level l is cut at ``threshold * threshold_growth**l``.
+        min_group_size: smaller level-0 groups are merged into their nearest group.
+        max_groups: at most this many level-0 groups (None = no limit).
+        hysteresis: keep the previous level-0 partition unless the new one scores better by this margin.
+        random_groups: number of groups of ``fixed_random``.
+        depth: at most this many hierarchy levels (1 = flat groups).
+    Allocation:
+        allocator: how groups get windows: ``reach`` (smallest candidate whose mass share reaches coverage_target).
+        coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
+        target_acr / target_causal_coverage: optional compute ceiling per layer (at most one of them).
+        parent_constraint: a child group's window never exceeds its parent's.
+    Schedule:
+        warmup_steps: every head sees the full context until this step; the first decision is made here.
+        control_interval: decide every this many steps after warmup.
+        freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
+        reuse_groups: keep the level-0 partition of the first decision; keep re-allocating windows.
+    """
+
+    probe_sequences: int = 2
+    probe_queries: int = 64
+    feature_set: str = "all"
+    ema_alpha: float = 0.5
+    feature_floor: float = 0.05
+    grouping: str = "cluster"
+    metric: str = "euclidean"
+    threshold: float = 1.0
+    threshold_growth: float = 1.5
+    min_group_size: int = 1
+    max_groups: Optional[int] = None
+    hysteresis: float = 0.05
+    random_groups: int = 2
+    depth: int = 2
+    allocator: str = "reach"
+    coverage_target: float = 0.9
+    target_acr: Optional[float] = None
+    target_causal_coverage: Optional[float] = None
+    parent_constraint: bool = True
+    warmup_steps: int = 100
+    control_interval: int = 50
+    freeze_after: Optional[int] = None
+    reuse_groups: bool = False
+
+    def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
+        from aah_lightning.aah.controller.allocators import ALLOCATORS, window_costs
+
+        key = "model.aah.controller."
+        require(
+            self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
+        )
+        require(
+            self.grouping in ("cluster", "none", "fixed_random"), key + "grouping", self.grouping,
+            "cluster, none or fixed_random",
+        )
+        require(self.metric in ("euclidean", "cosine"), key + "metric", self.metric, "euclidean or cosine")
+        require(
+            self.allocator in ALLOCATORS, key + "allocator", self.allocator, f"one of {', '.join(sorted(ALLOCATORS))}"
+        )
+        require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
+        require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
+        require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")
+        require(self.feature_floor >= 0, key + "feature_floor", self.feature_floor, ">= 0")
+        require(self.threshold > 0, key + "threshold", self.threshold, "> 0")
+        require(self.threshold_growth >= 1, key + "threshold_growth", self.threshold_growth, ">= 1")
+        require(
+            isinstance(self.min_group_size, int) and 1 <= self.min_group_size <= n_head, key + "min_group_size",
+            self.min_group_size, f"an integer in [1, n_head={n_head}]",
+        )
+        require(
+            self.max_groups is None or (isinstance(self.max_groups, int) and self.max_groups >= 1),
+            key + "max_groups", self.max_groups, "None or an integer >= 1",
+        )
+        require(self.hysteresis >= 0, key + "hysteresis", self.hysteresis, ">= 0")
+        require(
+            isinstance(self.random_groups, int) and 1 <= self.random_groups <= n_head, key + "random_groups",
+            self.random_groups, f"an integer in [1, n_head={n_head}]",
+        )
+        require(isinstance(self.depth, int) and self.depth >= 1, key + "depth", self.depth, "an integer >= 1")
+        require(0 < self.coverage_target <= 1, key + "coverage_target", self.coverage_target, "in (0, 1]")
+        require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
+        require(self.control_interval >= 1, key + "control_interval", self.control_interval, ">= 1")
+        require(
+            self.freeze_after is None or self.freeze_after >= self.warmup_steps, key + "freeze_after",
+            self.freeze_after, f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
+        )
+        if self.target_acr is not None and self.target_causal_coverage is not None:
+            raise ConfigError(
+                f"{key}target_acr={self.target_acr!r} and {key}target_causal_coverage="
+                f"{self.target_causal_coverage!r} are both set: give at most one compute budget"
+            )
+        for name, measure in (("target_acr", "acr"), ("target_causal_coverage", "causal_coverage")):
+            budget = getattr(self, name)
+            if budget is None:
+                continue
+            smallest = float(window_costs(candidates, seq_len, measure)[0])
+            require(
+                smallest <= budget <= 1, key + name, budget,
+                f"in [{smallest:.4g}, 1]: the smallest candidate window {candidates[0]} already costs {smallest:.4g}",
+            )
+
+    def budget(self) -> tuple[str, float] | None:
+        """``(measure, per-head budget)`` of the compute ceiling, or None."""
+        if self.target_acr is not None:
+            return "acr", float(self.target_acr)
+        if self.target_causal_coverage is not None:
+            return "causal_coverage", float(self.target_causal_coverage)
+        return None
 
 
 @dataclass
@@ -13,12 +138,13 @@ class AAHConfig:
     """Which policy writes the window table, and its settings.
 
     policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static`` (explicit ``table``),
-        ``random`` (seeded draw from ``candidates``).
+        ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``).
     candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
     window: the window of the ``fixed`` policy.
     table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
-    seed: seed of the ``random`` policy.
+    seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling and random grouping).
     redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start).
+    controller: settings of the ``adaptive`` policy (``ControllerConfig``).
     """
 
     policy: str = "full"
@@ -27,6 +153,11 @@ class AAHConfig:
     table: Optional[list[list[int]]] = None
     seed: int = 0
     redraw_interval: int = 0
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        if isinstance(self.controller, dict):  # from checkpoint hyper-parameters or a plain dict
+            self.controller = ControllerConfig(**self.controller)
 
     def resolved_candidates(self, seq_len: int) -> list[int]:
         if self.candidates is None:
@@ -76,3 +207,5 @@ class AAHConfig:
                         f"every window an integer in [1, seq_len={seq_len}]",
                     )
         require(self.redraw_interval >= 0, "model.aah.redraw_interval", self.redraw_interval, "0 (draw once) or more")
+        if self.policy == "adaptive":
+            self.controller.validate(cands, seq_len, n_head)

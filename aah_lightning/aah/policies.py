@@ -96,3 +96,8 @@ POLICIES: dict[str, type[WindowPolicy]] = {p.name: p for p in (FullPolicy, Fixed
 def make_policy(cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int) -> WindowPolicy:
     cfg.validate(seq_len, n_layer, n_head)
     return POLICIES[cfg.policy](cfg, n_layer, n_head, seq_len)
+
+# The AAH controller lives in its own package (aah/controller/); it subclasses WindowPolicy, so it registers last.
+from aah_lightning.aah.controller.adaptive import AdaptivePolicy  # noqa: E402
+
+POLICIES[AdaptivePolicy.name] = AdaptivePolicy

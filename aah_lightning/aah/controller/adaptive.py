@@ -1,0 +1,227 @@
+"""The ``adaptive`` window policy: the AAH controller (AAH_METHOD.md section 4, docs/controller.md).
+
+At a control step (never between them): probe a few sequences of the current batch, compute per-head features,
+average them over ranks, smooth them (EMA), and then, per layer and on CPU: standardise, group the heads, build the
+hierarchy, allocate one window per group top-down and write the heads' windows into a new table. Every rank runs the
+same deterministic code on the same averaged features, so every rank ends the step with the identical table.
+
+Read by callbacks after a decision (all plain Python / CPU tensors, rank-identical):
+    ``last_step``            step of the last decision (None before the first);
+    ``hierarchies[l]``       ``Hierarchy`` of layer l (``levels[level][group]`` = head indices);
+    ``group_windows[l]``     ``[level][group]`` window chosen for each group of layer l;
+    ``levels_used()``        hierarchy levels built per layer;
+    ``group_counts()``       groups per level per layer;
+    ``last_coverage``        ``[L, H]`` share of each head's full-causal mass inside its new window on the last probe
+                             (the attention-mass coverage, AMC), or None;
+    ``describe()``           the hierarchy as text.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.controller import features as feats
+from aah_lightning.aah.controller.allocators import ALLOCATORS, LayerInputs, window_costs
+from aah_lightning.aah.controller.grouping import (
+    Partition,
+    cluster_heads,
+    pairwise_distances,
+    random_partition,
+    singletons,
+)
+from aah_lightning.aah.controller.hierarchy import Hierarchy, build_hierarchy
+from aah_lightning.aah.policies import WindowPolicy
+from aah_lightning.aah.probe import run_probe
+from aah_lightning.errors import ConfigError
+
+
+class AdaptivePolicy(WindowPolicy):
+    """Windows chosen from head statistics through a hierarchy of head groups (settings: ``ControllerConfig``)."""
+
+    name = "adaptive"
+
+    def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
+        super().__init__(cfg, n_layer, n_head, seq_len)
+        self.ctl = cfg.controller
+        self.layout = feats.FeatureLayout(len(self.candidates))
+        self.allocator = ALLOCATORS[self.ctl.allocator]
+        budget = self.ctl.budget()
+        self.costs = None if budget is None else window_costs(self.candidates, seq_len, budget[0])
+        self.layer_budget = None if budget is None else budget[1] * n_head
+        # Level l of the hierarchy is cut at threshold * growth**l.
+        self.thresholds = [self.ctl.threshold * self.ctl.threshold_growth**lvl for lvl in range(self.ctl.depth)]
+        # Controller state (all of it in state_dict).
+        self.probe_generator = torch.Generator().manual_seed(cfg.seed)
+        self.partition_generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self.ema: Tensor | None = None  # [L, H, F] float64
+        self.partitions: list[Partition | None] = [None] * n_layer  # level 0 of the last decision
+        self.random_partitions: list[Partition | None] = [None] * n_layer
+        self.hierarchies: list[Hierarchy | None] = [None] * n_layer
+        self.group_windows: list[list[list[int]] | None] = [None] * n_layer
+        self.table: Tensor | None = None  # int32 [L, H], the last decided table
+        self.last_step: int | None = None
+        self.decisions = 0
+        self.last_coverage: Tensor | None = None
+
+    # -- schedule ----------------------------------------------------------------------------------------------------
+    def is_control_step(self, step: int) -> bool:
+        c = self.ctl
+        if step < c.warmup_steps or (c.freeze_after is not None and step > c.freeze_after):
+            return False
+        return (step - c.warmup_steps) % c.control_interval == 0
+
+    def on_train_step(self, step: int, model, batch) -> Tensor | None:
+        if not self.is_control_step(step) or self.last_step == step:
+            return None
+        docs = batch.get("doc_ids")
+        tokens, docs = batch["tokens"][:, :-1], None if docs is None else docs[:, :-1]
+        previous = self.table
+        table = self.decide(self.measure(model, tokens, docs), step)
+        return None if previous is not None and torch.equal(previous, table) else table
+
+    # -- measuring ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def measure(self, model, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Probe ``model`` on ``tokens`` ``[B, T]``: features ``[L, H, F]`` float64 on CPU, averaged over ranks."""
+        probe = run_probe(
+            model, tokens, doc_ids, n_sequences=self.ctl.probe_sequences, n_queries=self.ctl.probe_queries,
+            generator=self.probe_generator,
+        )
+        x = feats.probe_features(probe, self.candidates)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            x = x / dist.get_world_size()
+        return x.to("cpu", torch.float64)
+
+    def profiles(self, x: Tensor) -> Tensor:
+        """Mass profile ``[L, H, K]`` from packed features; a window >= T holds all of the mass, exactly."""
+        m = x[..., self.layout.profile].clone()
+        m[..., [i for i, c in enumerate(self.candidates) if c >= self.seq_len]] = 1.0
+        return m
+
+    # -- deciding ----------------------------------------------------------------------------------------------------
+    def decide(self, x: Tensor, step: int) -> Tensor:
+        """One control decision from this step's rank-averaged features ``x`` ``[L, H, F]``: the new table."""
+        c = self.ctl
+        x = x.to(torch.float64)
+        if self.ema is None or c.ema_alpha == 0:
+            self.ema = x.clone()
+        else:
+            self.ema = c.ema_alpha * self.ema + (1 - c.ema_alpha) * x
+        profiles = self.profiles(self.ema)
+        cand = torch.tensor(self.candidates, dtype=torch.int32)
+        table = torch.empty(self.n_layer, self.n_head, dtype=torch.int32)
+        for layer in range(self.n_layer):
+            z = feats.clustering_matrix(self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor)
+            d = pairwise_distances(z, c.metric)
+            level0 = self._level0(layer, d)
+            hierarchy = build_hierarchy(d, level0, self.thresholds[1:])
+            chosen = self.allocator(
+                LayerInputs(
+                    hierarchy=hierarchy, profile=profiles[layer], features=self.ema[layer],
+                    candidates=self.candidates, seq_len=self.seq_len, coverage_target=c.coverage_target,
+                    parent_constraint=c.parent_constraint, costs=self.costs, budget=self.layer_budget,
+                )
+            )
+            if c.parent_constraint:
+                _check_parent_constraint(hierarchy, chosen)
+            for group, idx in zip(hierarchy.levels[0], chosen[0]):
+                table[layer, group] = cand[idx]
+            self.partitions[layer] = level0
+            self.hierarchies[layer] = hierarchy
+            self.group_windows[layer] = [[self.candidates[i] for i in level] for level in chosen]
+        index = torch.searchsorted(cand, table)
+        self.last_coverage = self.profiles(x).gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
+        self.table, self.last_step = table, step
+        self.decisions += 1
+        return table.clone()
+
+    def _level0(self, layer: int, d: Tensor) -> Partition:
+        c = self.ctl
+        if c.grouping == "none":
+            return singletons(self.n_head)
+        if c.grouping == "fixed_random":
+            if self.random_partitions[layer] is None:
+                self.random_partitions[layer] = random_partition(self.n_head, c.random_groups, self.partition_generator)
+            return self.random_partitions[layer]
+        previous = self.partitions[layer]
+        if c.reuse_groups and previous is not None:
+            return previous
+        return cluster_heads(d, c.threshold, c.min_group_size, c.max_groups, previous, c.hysteresis)
+
+    # -- for callbacks -----------------------------------------------------------------------------------------------
+    def levels_used(self) -> list[int]:
+        """Hierarchy levels of each layer at the last decision (0 before the first)."""
+        return [h.levels_used if h is not None else 0 for h in self.hierarchies]
+
+    def group_counts(self) -> list[list[int]]:
+        """Groups per level of each layer at the last decision."""
+        return [h.group_counts if h is not None else [] for h in self.hierarchies]
+
+    def describe(self) -> str:
+        """The last decision as text: per layer and level, each group's heads and window."""
+        if self.last_step is None:
+            return "no decision yet (warmup: every head sees the full context)"
+        lines = [f"decision {self.decisions} at step {self.last_step}"]
+        for layer, (h, wins) in enumerate(zip(self.hierarchies, self.group_windows)):
+            lines.append(f"layer {layer}:")
+            for lvl in range(h.levels_used - 1, -1, -1):
+                groups = ", ".join(f"{g}->{w}" for g, w in zip(h.levels[lvl], wins[lvl]))
+                lines.append(f"  level {lvl}: {groups}")
+        return "\n".join(lines)
+
+    # -- state -------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain tensors, lists and ints only (loads with ``torch.load(weights_only=True)``)."""
+        return {
+            "ema": None if self.ema is None else self.ema.clone(),
+            "partitions": [None if p is None else [list(g) for g in p] for p in self.partitions],
+            "random_partitions": [None if p is None else [list(g) for g in p] for p in self.random_partitions],
+            "hierarchies": [None if h is None else h.to_state() for h in self.hierarchies],
+            "group_windows": [None if w is None else [list(lv) for lv in w] for w in self.group_windows],
+            "table": None if self.table is None else self.table.clone(),
+            "last_step": -1 if self.last_step is None else self.last_step,
+            "decisions": self.decisions,
+            "last_coverage": None if self.last_coverage is None else self.last_coverage.clone(),
+            "probe_generator": self.probe_generator.get_state(),
+            "partition_generator": self.partition_generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.ema = None if state["ema"] is None else state["ema"].to(torch.float64).clone()
+        expected = (self.n_layer, self.n_head, self.layout.size)
+        if self.ema is not None and tuple(self.ema.shape) != expected:
+            raise ConfigError(
+                f"the checkpoint's controller state has features of shape {tuple(self.ema.shape)} (layers, heads, "
+                f"features), this run expects {expected}: model.n_layer, model.n_head and model.aah.candidates must "
+                f"match the checkpoint"
+            )
+        self.partitions = [None if p is None else [list(map(int, g)) for g in p] for p in state["partitions"]]
+        self.random_partitions = [
+            None if p is None else [list(map(int, g)) for g in p] for p in state["random_partitions"]
+        ]
+        self.hierarchies = [None if h is None else Hierarchy.from_state(h) for h in state["hierarchies"]]
+        self.group_windows = [None if w is None else [list(lv) for lv in w] for w in state["group_windows"]]
+        self.table = None if state["table"] is None else state["table"].to(torch.int32).clone()
+        self.last_step = None if state["last_step"] < 0 else int(state["last_step"])
+        self.decisions = int(state["decisions"])
+        cov = state.get("last_coverage")
+        self.last_coverage = None if cov is None else cov.clone()
+        self.probe_generator.set_state(state["probe_generator"])
+        self.partition_generator.set_state(state["partition_generator"])
+
+
+def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> None:
+    for level in range(len(hierarchy.levels) - 1):
+        parents = hierarchy.parents(level)
+        for g, p in enumerate(parents):
+            if chosen[level][g] > chosen[level + 1][p]:
+                raise RuntimeError(
+                    f"allocator broke the parent constraint: level {level} group {g} index {chosen[level][g]} > "
+                    f"parent index {chosen[level + 1][p]}"
+                )

@@ -1,0 +1,125 @@
+"""Grouping one layer's heads: average-linkage agglomerative clustering, cut at a distance threshold.
+
+A partition is a list of groups, each a sorted list of head indices, groups ordered by their first head (the
+canonical form: equal partitions compare equal). Everything runs on CPU in float64; a layer has at most a few dozen
+heads, so the plain O(n^3) agglomeration costs microseconds. Ties break towards the lowest indices, so every rank
+and every resumed run gets the same answer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+Partition = list[list[int]]
+
+
+def pairwise_distances(z: Tensor, metric: str) -> Tensor:
+    """``[H, H]`` distances between rows of ``z``: ``euclidean`` or ``cosine`` (1 - cos, in [0, 2])."""
+    if metric == "euclidean":
+        d = (z.unsqueeze(1) - z.unsqueeze(0)).norm(dim=-1)
+    elif metric == "cosine":
+        u = z / z.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        d = (1.0 - u @ u.T).clamp(min=0.0)
+    else:
+        raise ValueError(f"unknown metric {metric!r}")
+    d = (d + d.T) / 2
+    d.fill_diagonal_(0.0)
+    return d
+
+
+def canonical(groups) -> Partition:
+    return sorted((sorted(int(h) for h in g) for g in groups if len(g)), key=lambda g: g[0])
+
+
+def agglomerate(
+    dist: Tensor, start: Partition, threshold: float, min_size: int = 1, max_groups: int | None = None
+) -> Partition:
+    """Merge the groups of ``start`` bottom-up (average linkage over the head distances ``dist``).
+
+    Merges the closest pair while its linkage is at most ``threshold``; then, while a group is smaller than
+    ``min_size``, merges the smallest one into its nearest group; then, while there are more than ``max_groups``
+    groups, merges the closest pair. Starting from singletons this is the threshold cut of the dendrogram;
+    starting from level-l groups it continues the same dendrogram to level l+1.
+    """
+    groups = canonical(start)
+    member = torch.zeros(len(groups), dist.shape[0], dtype=torch.float64)
+    for i, g in enumerate(groups):
+        member[i, g] = 1.0 / len(g)
+    # Mean distance between the members of two groups; a few dozen items, so plain floats from here on.
+    link = (member @ dist.to(torch.float64) @ member.T).tolist()
+    sizes = [len(g) for g in groups]
+
+    def nearest(a: int) -> int:
+        return min((link[a][b], b) for b in range(len(groups)) if b != a)[1]
+
+    while len(groups) > 1:
+        # closest pair; ties go to the lowest (a, b)
+        d, a, b = min((link[a][b], a, b) for a in range(len(groups)) for b in range(a + 1, len(groups)))
+        if d > threshold:
+            small = [i for i, s in enumerate(sizes) if s < min_size]
+            if small:
+                a = min(small, key=lambda i: (sizes[i], i))
+                a, b = sorted((a, nearest(a)))
+            elif max_groups is None or len(groups) <= max_groups:
+                break
+        # Lance-Williams update for average linkage; the merged group keeps slot a (its first head is smaller).
+        merged = [(sizes[a] * x + sizes[b] * y) / (sizes[a] + sizes[b]) for x, y in zip(link[a], link[b])]
+        link[a] = merged
+        for i, row in enumerate(link):
+            row[a] = merged[i]
+        del link[b]
+        for row in link:
+            del row[b]
+        groups[a] = sorted(groups[a] + groups[b])
+        sizes[a] += sizes[b]
+        del groups[b], sizes[b]
+    return groups
+
+
+def partition_score(dist: Tensor, partition: Partition, threshold: float) -> float:
+    """How well a partition fits the distances at ``threshold``, in distance units (higher is better).
+
+    Mean over head pairs of ``threshold - d`` for pairs in the same group and ``d - threshold`` for pairs apart.
+    Average-linkage merging below the threshold is exactly the greedy ascent of this score, so it is the natural
+    yardstick for the hysteresis test (keep the previous partition unless the new one beats it by a margin).
+    """
+    n = dist.shape[0]
+    if n < 2:
+        return 0.0
+    label = torch.empty(n, dtype=torch.long)
+    for i, g in enumerate(partition):
+        label[g] = i
+    same = label.view(-1, 1) == label.view(1, -1)
+    signed = torch.where(same, threshold - dist, dist - threshold)
+    iu = torch.triu_indices(n, n, offset=1)
+    return float(signed[iu[0], iu[1]].mean())
+
+
+def cluster_heads(
+    dist: Tensor,
+    threshold: float,
+    min_size: int = 1,
+    max_groups: int | None = None,
+    previous: Partition | None = None,
+    hysteresis: float = 0.0,
+) -> Partition:
+    """Level-0 groups of one layer: the threshold cut, unless ``previous`` is within ``hysteresis`` of it."""
+    n = dist.shape[0]
+    new = agglomerate(dist, [[h] for h in range(n)], threshold, min_size, max_groups)
+    if previous is None or canonical(previous) == new:
+        return new
+    if partition_score(dist, new, threshold) < partition_score(dist, previous, threshold) + hysteresis:
+        return canonical(previous)
+    return new
+
+
+def random_partition(n_heads: int, n_groups: int, generator: torch.Generator) -> Partition:
+    """A seeded random partition of the heads into ``n_groups`` groups of near-equal size."""
+    perm = torch.randperm(n_heads, generator=generator).tolist()
+    k = min(n_groups, n_heads)
+    return canonical(perm[i::k] for i in range(k))
+
+
+def singletons(n_heads: int) -> Partition:
+    return [[h] for h in range(n_heads)]
