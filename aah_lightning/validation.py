@@ -116,9 +116,29 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
     check_matches(checkpoint, module, path)
 
 
+def check_schedule(trainer) -> None:
+    """An integer val_check_interval must fit in the run: the data module's step-based loader is max_steps long, and
+    Lightning would otherwise stop with a ValueError traceback after loading the data."""
+    interval, steps = trainer.val_check_interval, trainer.max_steps
+    if (
+        isinstance(interval, int)
+        and steps > 0
+        and trainer.check_val_every_n_epoch is not None
+        and trainer.limit_val_batches
+        and interval > steps * trainer.accumulate_grad_batches
+    ):
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} is more than the run's {steps * trainer.accumulate_grad_batches} "
+            f"training batches (trainer.max_steps={steps}): use a smaller interval, or trainer.limit_val_batches=0 to "
+            f"skip validation"
+        )
+
+
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
     """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
+    if stage == "fit":
+        check_schedule(trainer)
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
         check_checkpoint(path, module, weights_only)

@@ -43,6 +43,7 @@ def tiny_config(tmp_path, **sections) -> str:
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
+    os.makedirs(tmp_path, exist_ok=True)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)

@@ -197,3 +197,8 @@ def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
     with pytest.raises(ConfigError, match=r"model.n_head=2, but this run builds model.n_head=4"):
         trainer.fit(model, datamodule=data, ckpt_path=good_ckpt)
     assert trainer.global_step == 0
+
+
+def test_validation_interval_longer_than_the_run(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--trainer.val_check_interval", "50", "--trainer.max_steps", "20")
+    assert "trainer.val_check_interval=50" in line and "trainer.max_steps=20" in line

@@ -115,10 +115,15 @@ class NonFiniteGuard(L.Callback):
             what = f"the model's parameters became non-finite by global step {trainer.global_step} (every checked loss was finite)"
         else:
             what = f"another rank's parameters became non-finite by global step {trainer.global_step}"
-        ckpt = trainer.checkpoint_callback
-        good = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
+        saved_paths = [
+            path
+            for cb in trainer.checkpoint_callbacks
+            for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""))
+            if path and os.path.isfile(path)
+        ]
+        good = max(saved_paths, key=os.path.getmtime) if saved_paths else ""
         saved = f"the last good checkpoint is {good}" if good else "no checkpoint had been saved yet"
-        msg = f"{what}; training stopped, nothing after it was saved ({saved})"
+        msg = f"{what}; nothing after it was saved, {saved}"
         if batches:
             self.report_path = self._write_report(trainer, step, batches, what)
             msg += f"; the batch's indices are in {self.report_path}"
