@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 
 import lightning as L
 import pytest
 import torch
 
-from _cli_helpers import tiny_config
+from _cli_helpers import PYTHON, REPO, subprocess_env, tiny_config
 from aah_lightning.cli import main
 from aah_lightning.errors import TrainingDiverged
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
@@ -100,3 +101,20 @@ def test_cli_run_forced_to_diverge_by_a_huge_learning_rate(tmp_path, capsys):
     last = load_checkpoint_file(tmp_path / "ckpts" / "last.ckpt")  # checkpoints every step: the last one before it
     assert last["global_step"] == step
     assert all(torch.isfinite(t).all() for t in last["state_dict"].values() if t.is_floating_point())
+
+
+@pytest.mark.heavy
+def test_ddp_ranks_stop_together_when_one_rank_diverges(tmp_path):
+    run = subprocess.run(
+        [PYTHON, os.path.join(REPO, "tests", "ddp_nonfinite_run.py"), str(tmp_path)],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["global_step"] == r1["global_step"] == 4  # both stopped at the first check after step 3
+    assert "global step 3 on another rank" in r0["stopped"]
+    assert "global step 3 (epoch 0, batch 3)" in r1["stopped"] and "nonfinite_batch_rank1.json" in r1["stopped"]
+    assert json.load(open(tmp_path / "nonfinite_batch_rank1.json"))["global_step"] == 3
+    assert not (tmp_path / "nonfinite_batch_rank0.json").exists()
+    last = load_checkpoint_file(tmp_path / "ckpts" / "last.ckpt")
+    assert last["global_step"] == 3

@@ -59,6 +59,11 @@ class NonFiniteGuard(L.Callback):
         self.checks = 0  # host reads so far (tests use it to show checks are not per step)
         self.tripped: Optional[str] = None
         self.report_path: Optional[str] = None
+        self._folder = dirpath or "."
+
+    def setup(self, trainer, pl_module, stage):
+        # trainer.log_dir is a collective under DDP: resolve it here, on every rank, not when one rank trips.
+        self._folder = self.dirpath or trainer.log_dir or trainer.default_root_dir
 
     # -- recording ---------------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -132,7 +137,7 @@ class NonFiniteGuard(L.Callback):
         raise TrainingDiverged(msg)
 
     def _write_report(self, trainer, step: int, batches: list[tuple], what: str) -> str:
-        folder = self.dirpath or trainer.log_dir or trainer.default_root_dir
+        folder = self._folder
         os.makedirs(folder, exist_ok=True)
         name = "nonfinite_batch.json" if trainer.world_size == 1 else f"nonfinite_batch_rank{trainer.global_rank}.json"
         path = os.path.join(folder, name)
