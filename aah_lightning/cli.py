@@ -108,6 +108,19 @@ class AAHCLI(LightningCLI):
         self._preflight("predict")
 
 
+def _user_error(exc: BaseException | None):
+    """The ConfigError / TrainingDiverged / CheckpointWriteError behind ``exc``, if any. jsonargparse wraps errors
+    raised while it instantiates a class given as a union type (``trainer.callbacks``, ``trainer.plugins``, optional
+    dataclasses) in a ValueError listing every subtype; the original is on the cause / context chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (ConfigError, TrainingDiverged, CheckpointWriteError)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def main(args=None) -> None:
     try:
         AAHCLI(
@@ -118,15 +131,18 @@ def main(args=None) -> None:
             auto_configure_optimizers=False,
             args=args,
         )
-    except ConfigError as e:  # bad input: nothing was trained
-        print(f"aah: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingDiverged as e:
-        print(f"aah: stopped: {e}", file=sys.stderr)
-        sys.exit(3)
-    except CheckpointWriteError as e:
-        print(f"aah: error: {e}", file=sys.stderr)
-        sys.exit(4)
+    except Exception as e:
+        error = _user_error(e)
+        if isinstance(error, ConfigError):  # bad input: nothing was trained
+            print(f"aah: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(error, TrainingDiverged):
+            print(f"aah: stopped: {error}", file=sys.stderr)
+            sys.exit(3)
+        if isinstance(error, CheckpointWriteError):
+            print(f"aah: error: {error}", file=sys.stderr)
+            sys.exit(4)
+        raise
 
 
 if __name__ == "__main__":

@@ -202,3 +202,12 @@ def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
 def test_validation_interval_longer_than_the_run(tmp_path, capsys):
     line = refuse(tmp_path, capsys, "--trainer.val_check_interval", "50", "--trainer.max_steps", "20")
     assert "trainer.val_check_interval=50" in line and "trainer.max_steps=20" in line
+
+
+def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys):
+    # jsonargparse wraps it in "Does not validate against any of the Union subtypes ..." with a traceback.
+    line = refuse(
+        tmp_path, capsys, "--trainer.callbacks+=aah_lightning.lit.guards.NonFiniteGuard",
+        "--trainer.callbacks.check_every_n_steps", "0",
+    )
+    assert line == "aah: error: nonfinite_guard.check_every_n_steps=0 is not allowed: a positive integer or null"

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.distributed import ReduceOp
 
-from aah_lightning.errors import TrainingDiverged
+from aah_lightning.errors import ConfigError, TrainingDiverged
 
 _NO_STEP = 2**62
 
@@ -47,8 +47,6 @@ class NonFiniteGuard(L.Callback):
 
     def __init__(self, check_every_n_steps: Optional[int] = None, dirpath: Optional[str] = None):
         if check_every_n_steps is not None and check_every_n_steps < 1:
-            from aah_lightning.errors import ConfigError
-
             raise ConfigError(
                 f"nonfinite_guard.check_every_n_steps={check_every_n_steps!r} is not allowed: a positive integer or null"
             )
@@ -64,6 +62,9 @@ class NonFiniteGuard(L.Callback):
     def setup(self, trainer, pl_module, stage):
         # trainer.log_dir is a collective under DDP: resolve it here, on every rank, not when one rank trips.
         self._folder = self.dirpath or trainer.log_dir or trainer.default_root_dir
+
+    def on_train_start(self, trainer, pl_module):
+        self._pending, self.tripped, self.report_path = [], None, None
 
     # -- recording ---------------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
