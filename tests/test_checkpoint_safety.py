@@ -106,6 +106,8 @@ def test_last_means_the_newest_complete_last_checkpoint(tmp_path):
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
     aah = AAHConfig(policy=policy, candidates=[8, 16, 32], window=16, table=[[8, 32], [16, 8]], redraw_interval=1)
+    if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
+        aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
     model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65, aah=aah)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     trainer = L.Trainer(
