@@ -2,7 +2,8 @@
 
 ``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``). Settings the user gives once are
 linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the run with
-one line naming the setting, before any compute is spent.
+one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run saves
+checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import sys
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
-from aah_lightning.errors import ConfigError
+from aah_lightning import validation
+from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.lit.callbacks import Throughput, WindowDiagnostics
+from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
 
 
@@ -27,20 +32,25 @@ class AAHCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data", "model.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # Two checkpoints in one folder: last.ckpt every N steps (what --ckpt_path last resumes) and the best model by
+        # validation loss. Both are written through AtomicCheckpointIO (see instantiate_trainer).
+        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.dirpath": "runs/aah/checkpoints"})
+        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
+        parser.link_arguments("checkpoint.dirpath", "best_checkpoint.dirpath")
         parser.set_defaults(
             {
-                "checkpoint.dirpath": "runs/aah/checkpoints",
-                "checkpoint.filename": "best-step{step}",
-                "checkpoint.auto_insert_metric_name": False,
-                "checkpoint.monitor": "val/loss",
-                "checkpoint.mode": "min",
-                "checkpoint.save_top_k": 1,
-                "checkpoint.save_last": True,
+                "best_checkpoint.filename": "best-step{step}",
+                "best_checkpoint.auto_insert_metric_name": False,
+                "best_checkpoint.monitor": "val/loss",
+                "best_checkpoint.mode": "min",
+                "best_checkpoint.save_top_k": 1,
+                "best_checkpoint.save_last": False,
             }
         )
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(WindowDiagnostics, "diagnostics")
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
         parser.set_defaults(
             {
                 "trainer.logger": {
@@ -62,6 +72,54 @@ class AAHCLI(LightningCLI):
             on_gpu = torch.cuda.is_available() and trainer.get("accelerator") in ("auto", "gpu", "cuda", None)
             trainer["precision"] = "bf16-mixed" if on_gpu else "32-true"
 
+    def _parse_ckpt_path(self) -> None:
+        """Deliberately off. Lightning would read the model's hyperparameters from a ``--ckpt_path`` file here, at
+        parse time, with a bare ``torch.load`` (a traceback for a corrupt file, ``--weights_only false`` ignored), and
+        let them silently override the config, even settings given on the command line. Here the config you pass is
+        the config you get; ``_preflight`` verifies the file and reports a checkpoint of another shape in one line."""
+
+    def instantiate_trainer(self, **kwargs):
+        # Crash-safe checkpoint files for every run, unless the config brings its own CheckpointIO plugin.
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        return super().instantiate_trainer(plugins=plugins, **kwargs)
+
+    def _preflight(self, subcommand: str) -> None:
+        # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
+        cfg = self.config_init[subcommand]
+        path = validation.preflight(
+            self.trainer, self.model, self.datamodule, subcommand, cfg.get("ckpt_path"), cfg.get("weights_only")
+        )
+        if "ckpt_path" in cfg:
+            cfg["ckpt_path"] = path  # 'last' resolved to the file just checked, so Lightning loads that one
+
+    def before_fit(self) -> None:
+        self._preflight("fit")
+
+    def before_validate(self) -> None:
+        self._preflight("validate")
+
+    def before_test(self) -> None:
+        self._preflight("test")
+
+    def before_predict(self) -> None:
+        self._preflight("predict")
+
+
+def _user_error(exc: BaseException | None):
+    """The ConfigError / TrainingDiverged / CheckpointWriteError behind ``exc``, if any. jsonargparse wraps errors
+    raised while it instantiates a class given as a union type (``trainer.callbacks``, ``trainer.plugins``, optional
+    dataclasses) in a ValueError listing every subtype; the original is on the cause / context chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (ConfigError, TrainingDiverged, CheckpointWriteError)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
 
 def main(args=None) -> None:
     try:
@@ -73,9 +131,18 @@ def main(args=None) -> None:
             auto_configure_optimizers=False,
             args=args,
         )
-    except ConfigError as e:
-        print(f"aah: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:
+        error = _user_error(e)
+        if isinstance(error, ConfigError):  # bad input: nothing was trained
+            print(f"aah: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(error, TrainingDiverged):
+            print(f"aah: stopped: {error}", file=sys.stderr)
+            sys.exit(3)
+        if isinstance(error, CheckpointWriteError):
+            print(f"aah: error: {error}", file=sys.stderr)
+            sys.exit(4)
+        raise
 
 
 if __name__ == "__main__":

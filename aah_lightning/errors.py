@@ -13,3 +13,11 @@ def require(condition: bool, setting: str, value, allowed: str) -> None:
     """Raise ``ConfigError`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(f"{setting}={value!r} is not allowed: {allowed}")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss (or the parameters) became NaN/Inf; training stopped before anything poisoned was saved."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous checkpoint is untouched."""

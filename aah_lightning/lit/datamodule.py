@@ -178,8 +178,12 @@ class TextDataModule(L.LightningDataModule):
             epoch = trainer.current_epoch if trainer else 0
             per_rank = len(self.train_set) // world
             consumed, total = epoch * per_rank, (epoch + 1) * per_rank
+        # Step-based runs: the loader is as long as the whole run, whatever was already consumed. On a resume Lightning
+        # restores its batch count and runs the loader from its start (which skips what was consumed), so a shorter
+        # loader would end the epoch early, replay data and trip val_check_interval.
+        length = total if trainer and trainer.max_steps > 0 else total - consumed
         sampler = EndlessSampler(
-            len(self.train_set), hp.seed, length=max(0, total - consumed), rank=rank, world_size=world, start=consumed
+            len(self.train_set), hp.seed, length=max(0, length), rank=rank, world_size=world, start=consumed
         )
         return DataLoader(
             self.train_set,

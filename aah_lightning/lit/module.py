@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.policies import make_policy
 from aah_lightning.errors import require
@@ -180,8 +181,15 @@ class AAHModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoint extras -------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        # The CLI checks this before the Trainer starts; repeated here for code that drives a Trainer directly.
+        validation.check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["aah_policy"] = self.policy.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
+        trainer = self._trainer
+        validation.check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))

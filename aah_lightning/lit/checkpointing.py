@@ -1,0 +1,239 @@
+"""Checkpoint files that survive ``kill -9`` and refuse to load what they should not.
+
+Saving (``AtomicCheckpointIO``, the CLI's default checkpoint plugin): the checkpoint is written to a hidden temporary
+file in the destination folder, flushed to disk (fsync), renamed over the destination with ``os.replace`` (atomic
+within one file system) and the folder is fsynced so the rename itself is durable. At every moment the destination
+holds either the previous complete checkpoint or the new complete one. Lightning's default ``TorchCheckpointIO``
+writes through an fsspec transaction whose temporary file lives in the system temp folder: when that is another file
+system than the checkpoint folder (local /tmp, shared scratch), the commit is a copy into the destination, which a
+kill can truncate; it also never fsyncs.
+
+Loading (``load_checkpoint_file``): the file must be a complete PyTorch archive whose CRC32 checksums match (torch
+itself does not check them, so a damaged copy would load silently), and it is unpickled with ``weights_only=True``
+unless the user passes ``--weights_only false``. Every failure is a one-line ``ConfigError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import uuid
+import zipfile
+import zlib
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.utilities.cloud_io import _load as fsspec_load
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from aah_lightning.errors import CheckpointWriteError, ConfigError
+
+# Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
+PARTIAL_PREFIX = ".aah-partial-"
+
+
+def _is_remote(path) -> bool:
+    return "://" in str(path)
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:limit]
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not supported on this platform (Windows): the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(folder: str) -> list[str]:
+    """Delete temporary files that writers on this host left when they were killed mid-write."""
+    host, removed = socket.gethostname(), []
+    for name in os.listdir(folder):
+        if not name.startswith(PARTIAL_PREFIX):
+            continue
+        parts = name[len(PARTIAL_PREFIX) :].rsplit("-", 2)  # host-pid-random; the host may contain '-'
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, name))
+            removed.append(name)
+    return removed
+
+
+def atomic_torch_save(obj: Any, path) -> None:
+    """``torch.save(obj, path)`` such that ``path`` is never seen half-written, even after a SIGKILL."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_partials(folder)
+    tmp = os.path.join(folder, f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(
+                f"could not write checkpoint {path}: {e.strerror or e}; the previous checkpoint there (if any) is "
+                f"intact"
+            ) from e
+        raise
+    _fsync_dir(folder)
+
+
+# (realpath, size, mtime_ns) of files whose checksums were verified in this process: a file checked by the CLI
+# before training is not read twice when Lightning then loads it.
+_verified: set[tuple] = set()
+
+
+def verify_checkpoint_file(path, setting: str = "ckpt_path") -> None:
+    """Raise ``ConfigError`` unless ``path`` is a readable, complete PyTorch archive with matching checksums."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{setting}={path!r} does not exist: pass an existing checkpoint file, or 'last'")
+    if os.path.isdir(path):
+        raise ConfigError(f"{setting}={path!r} is a folder: pass a checkpoint file (*.ckpt)")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{setting}={path!r} is not readable (check its permissions)")
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return
+    if not zipfile.is_zipfile(path):
+        raise ConfigError(
+            f"{setting}={path!r} is truncated or not a PyTorch checkpoint ({st.st_size} bytes, no complete archive): "
+            f"use an earlier checkpoint"
+        )
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()  # reads every entry and checks its CRC32
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, RuntimeError) as e:
+        raise ConfigError(f"{setting}={path!r} is corrupt ({_first_line(e)}): use an earlier checkpoint") from e
+    if bad is not None:
+        raise ConfigError(
+            f"{setting}={path!r} is corrupt: the checksum of its entry {bad!r} does not match (a damaged copy or "
+            f"disk): use an earlier checkpoint"
+        )
+    _verified.add(key)
+
+
+def _unsafe_reason(e: BaseException) -> str:
+    text = str(e)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    return _first_line(Exception(text.strip()), 120)
+
+
+def load_checkpoint_file(
+    path,
+    map_location: Any = None,
+    weights_only: Optional[bool] = None,
+    mmap: bool = False,
+    setting: str = "ckpt_path",
+) -> dict:
+    """Load a checkpoint safely. ``weights_only=None`` means True; only an explicit False allows arbitrary pickles."""
+    safe = weights_only is not False
+    if _is_remote(path):  # object stores and URLs: Lightning's fsspec loader, still weights-only by default
+        return fsspec_load(path, map_location=map_location, weights_only=safe)
+    verify_checkpoint_file(path, setting)
+    try:
+        return torch.load(os.fspath(path), map_location=map_location, weights_only=safe, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if safe and "weights only" in str(e).lower():
+            raise ConfigError(
+                f"{setting}={os.fspath(path)!r} holds objects other than tensors and plain values "
+                f"({_unsafe_reason(e)}); unpickling them could run arbitrary code. If you trust the file, pass "
+                f"--weights_only false"
+            ) from e
+        raise ConfigError(f"{setting}={os.fspath(path)!r} is corrupt ({_first_line(e)}): use an earlier checkpoint") from e
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
+        raise ConfigError(
+            f"{setting}={os.fspath(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)}): it is corrupt or "
+            f"not a checkpoint; use an earlier one"
+        ) from e
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint plugin with crash-safe saving and verified, weights-only loading."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
+        if _is_remote(path):  # object stores have their own atomic put
+            return super().save_checkpoint(checkpoint, path)
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        path,
+        map_location: Optional[Callable] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """The crash-safety checkpoint: ``last.ckpt`` every ``every_n_train_steps`` steps (or ``train_time_interval``)
+    and at the end of training.
+
+    A ``ModelCheckpoint`` that monitors a validation metric defers its step-triggered saves to the next validation
+    (Lightning >= 2.5), so its ``last.ckpt`` only moves at validation time. This one monitors nothing, keeps only
+    ``last.ckpt`` and also saves the final step, so a finished run's ``last`` is its end state. The best model by
+    validation loss is a second, ordinary ``ModelCheckpoint`` (``best_checkpoint`` in the CLI).
+
+    Args:
+        dirpath: the checkpoint folder (``--ckpt_path last`` looks here).
+        every_n_train_steps: save every this many optimizer steps.
+        train_time_interval: save at this wall-time interval instead (e.g. ``"00:30:00"``); overrides the steps.
+        verbose: log each save.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        every_n_train_steps: Optional[int] = 100,
+        train_time_interval: Optional[timedelta] = None,
+        verbose: bool = False,
+    ):
+        if train_time_interval is not None:  # ModelCheckpoint takes one trigger only
+            every_n_train_steps = None
+        super().__init__(
+            dirpath=dirpath,
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            verbose=verbose,
+        )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

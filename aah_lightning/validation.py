@@ -1,0 +1,145 @@
+"""Checks of a run as a whole - model, data, device and checkpoint together - made before any training step.
+
+Each class checks its own settings when it is built (``GPTConfig``, ``AAHConfig``, ``TextDataModule``); what no
+single class can see is checked here: the tokenizer against the model's vocabulary, the backend against the device,
+and the ``--ckpt_path`` file against the model about to load it. The CLI calls ``preflight`` before it hands over to
+the Trainer; ``AAHModule`` repeats the cheap checks in ``setup`` and ``on_load_checkpoint`` so that code driving a
+Trainer directly gets the same errors. Every failure is a ``ConfigError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.checkpointing import load_checkpoint_file
+from aah_lightning.model.backends import BackendUnavailable, resolve_backend
+
+# Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
+SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "vocab_size", "mlp_ratio", "bias")
+# --ckpt_path values Lightning resolves itself; "last" is resolved here so that a missing one is an error.
+_LIGHTNING_KEYWORDS = ("best", "hpc", "registry")
+
+
+def check_run(module, datamodule, device: torch.device, stage: str) -> None:
+    """The tokenizer fits the model's vocabulary and the backend can run on ``device`` for ``stage``."""
+    hp = getattr(module, "hparams", {})
+    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), hp.get("vocab_size")
+    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+        tokenizer = getattr(datamodule, "hparams", {}).get("tokenizer")
+        raise ConfigError(
+            f"data.tokenizer={tokenizer!r} produces ids up to {data_vocab - 1}, but model.vocab_size={model_vocab}: "
+            f"the model needs at least {data_vocab} embeddings (leave model.vocab_size linked to the data, or use the "
+            f"tokenizer the model was built for)"
+        )
+    backend = hp.get("backend")
+    if backend is not None:
+        try:
+            resolve_backend(backend, torch.device(device), needs_grad=(stage == "fit"), seq_len=hp.get("seq_len", 0))
+        except BackendUnavailable as e:
+            raise ConfigError(str(e)) from e
+
+
+def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
+    """The file ``--ckpt_path`` names: ``last`` becomes the newest last*.ckpt, exactly as Lightning would choose,
+    but finding none is an error here (Lightning only warns and silently starts from scratch)."""
+    if not ckpt_path or ckpt_path in _LIGHTNING_KEYWORDS or "://" in str(ckpt_path):
+        return ckpt_path
+    if ckpt_path != "last":
+        if not os.path.exists(ckpt_path):
+            raise ConfigError(f"ckpt_path={ckpt_path!r} does not exist: pass an existing checkpoint file, or 'last'")
+        return os.fspath(ckpt_path)
+    candidates, folders = set(), []
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            candidates |= cb._find_last_checkpoints(trainer)  # Lightning's own search for last*.ckpt
+            folders.append(cb.dirpath or "the logger's new version folder (checkpoint.dirpath is not set)")
+        elif isinstance(cb, OnExceptionCheckpoint):
+            candidates.add(cb.ckpt_path)
+    found = [p for p in candidates if p and os.path.isfile(p)]
+    if not found:
+        where = ", ".join(dict.fromkeys(str(f) for f in folders)) or "no checkpoint folder (no ModelCheckpoint callback)"
+        raise ConfigError(
+            f"ckpt_path='last' but there is no last checkpoint in {where}: omit --ckpt_path to start a new run, or "
+            f"pass a checkpoint file"
+        )
+    return max(found, key=os.path.getmtime)
+
+
+def _plain_key(key: str) -> str:
+    return key.replace("_orig_mod.", "")  # torch.compile wrappers do not change what a weight is
+
+
+def check_matches(checkpoint: dict, module, path: str = "checkpoint") -> None:
+    """The checkpoint holds weights of exactly this model's shapes; otherwise one line saying which setting differs."""
+    theirs = checkpoint.get("hyper_parameters") or {}
+    ours = dict(getattr(module, "hparams", {}))
+    diffs = [k for k in SHAPE_SETTINGS if k in theirs and k in ours and theirs[k] != ours[k]]
+    if diffs:
+        got = ", ".join(f"model.{k}={theirs[k]!r}" for k in diffs)
+        want = ", ".join(f"model.{k}={ours[k]!r}" for k in diffs)
+        hint = " (the vocabulary follows data.tokenizer / data.source)" if "vocab_size" in diffs else ""
+        raise ConfigError(
+            f"ckpt_path={path!r} holds a model with {got}, but this run builds {want}{hint}: use the settings the "
+            f"checkpoint was trained with"
+        )
+    state = checkpoint.get("state_dict")
+    if state is None:  # e.g. a distributed checkpoint whose weights the strategy loads itself
+        return
+    expected = {_plain_key(k): tuple(v.shape) for k, v in module.state_dict().items()}
+    found = {_plain_key(k): tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
+    wrong = [f"{k} {found[k]} vs {expected[k]}" for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]]
+    problems = wrong
+    if getattr(module, "strict_loading", True):
+        problems = problems + [f"missing {k}" for k in sorted(expected.keys() - found.keys())]
+        problems = problems + [f"unexpected {k}" for k in sorted(found.keys() - expected.keys())]
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"ckpt_path={path!r} does not fit this model ({'; '.join(problems[:3])}{more}): it was saved by a "
+            f"different model or code version"
+        )
+
+
+def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> None:
+    """Verify the file (complete, checksums, safe to unpickle) and that it fits ``module``, reading only the pickle:
+    the tensors are memory-mapped, so this costs one checksum pass, not a second full load."""
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
+        return  # a torch.distributed.checkpoint folder: the strategy reads and checks it
+    checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    if not isinstance(checkpoint, dict):
+        raise ConfigError(f"ckpt_path={path!r} is not a Lightning checkpoint (it holds a {type(checkpoint).__name__})")
+    check_matches(checkpoint, module, path)
+
+
+def check_schedule(trainer) -> None:
+    """An integer val_check_interval must fit in the run: the data module's step-based loader is max_steps long, and
+    Lightning would otherwise stop with a ValueError traceback after loading the data."""
+    interval, steps = trainer.val_check_interval, trainer.max_steps
+    if (
+        isinstance(interval, int)
+        and steps > 0
+        and trainer.check_val_every_n_epoch is not None
+        and trainer.limit_val_batches
+        and interval > steps * trainer.accumulate_grad_batches
+    ):
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} is more than the run's {steps * trainer.accumulate_grad_batches} "
+            f"training batches (trainer.max_steps={steps}): use a smaller interval, or trainer.limit_val_batches=0 to "
+            f"skip validation"
+        )
+
+
+def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
+    """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
+    check_run(module, datamodule, trainer.strategy.root_device, stage)
+    if stage == "fit":
+        check_schedule(trainer)
+    path = resolve_ckpt_path(trainer, ckpt_path)
+    if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
+        check_checkpoint(path, module, weights_only)
+    return path

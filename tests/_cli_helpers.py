@@ -1,0 +1,75 @@
+"""Shared by the robustness tests: a tiny CLI config, in-process CLI runs, and a small checkpoint to break."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import datasets  # noqa: F401  imported now, not first inside a capsys test: its log handler keeps the stream it saw
+import pytest
+import yaml
+
+from aah_lightning.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(tmp_path, **sections) -> str:
+    """A 2-layer model on the synthetic task: a few steps take about a second on one CPU core."""
+    cfg = {
+        "seed_everything": 1234,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 4,
+            "val_check_interval": 2,
+            "limit_val_batches": 1,
+            "log_every_n_steps": 1,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+            "default_root_dir": str(tmp_path / "root"),
+        },
+        "checkpoint": {"dirpath": str(tmp_path / "ckpts"), "every_n_train_steps": 1},
+        "model": {
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 32,
+            "aah": {"policy": "random", "candidates": [8, 16, 32], "seed": 0},
+            "optim": {"lr": 1e-3, "warmup_steps": 2},
+        },
+        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 100},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    os.makedirs(tmp_path, exist_ok=True)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def cli_error(args: list[str], capsys) -> tuple[int, str]:
+    """Run ``aah`` in-process, expecting it to refuse. Returns (exit code, its single error line)."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("aah:")]
+    assert len(lines) == 1, err
+    return exc.value.code, lines[0]
+
+
+def train_tiny(tmp_path, *extra: str) -> str:
+    """Train the tiny model in-process; returns the checkpoint folder."""
+    main(["fit", "--config", tiny_config(tmp_path), *extra])
+    return str(tmp_path / "ckpts")
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+PYTHON = sys.executable
