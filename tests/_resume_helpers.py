@@ -10,6 +10,7 @@ import sys
 
 import lightning as L
 import torch
+from torch._dynamo.utils import counters
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +35,7 @@ class Recorder(L.Callback):
             "tokens": (tokens * torch.arange(1, tokens.shape[1] + 1, device=tokens.device)).sum(1).tolist(),
             "table": pl_module.model.windows.tolist(),
             "rand": self._rand,
+            "graphs": counters["stats"]["unique_graphs"],  # graphs compiled so far in this process
         }
         if trainer.global_step == 1 and batch_idx < trainer.accumulate_grad_batches:
             row["sharded"] = _sharding(pl_module)

@@ -203,7 +203,8 @@ class TextDataModule(L.LightningDataModule):
                 f"the corpus has {len(tokens)} tokens, fewer than two blocks of data.seq_len+1={block}: "
                 f"use more data or a smaller data.seq_len"
             )
-        n_val = min(max(1, int(round(n_blocks * hp.val_fraction))), n_blocks - 1)
+        world = self._rank_world()[1]  # every rank validates on at least one block of its own
+        n_val = min(max(world, int(round(n_blocks * hp.val_fraction))), n_blocks - 1)
         cut = (n_blocks - n_val) * block
         self.train_set = PackedBlocks(tokens[:cut], doc_ids[:cut], hp.seq_len)
         self.val_set = PackedBlocks(tokens[cut:], doc_ids[cut:], hp.seq_len)
