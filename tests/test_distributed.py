@@ -89,7 +89,8 @@ def test_ddp_fit_checkpoint_preempt_resume_is_exact(tmp_path, ddp_reference):
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == STEPS and len(ckpt["aah_rng"]) == 2
     assert ckpt["TextDataModule"]["layout"]["world_size"] == 2
-    assert torch.equal(ckpt["state_dict"]["model.windows"], torch.tensor(ddp_reference[0][-1]["table"], dtype=torch.int32))
+    final_table = torch.tensor(ddp_reference[0][-1]["table"], dtype=torch.int32)
+    assert torch.equal(ckpt["state_dict"]["model.windows"], final_table)
 
 
 def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_reference):
@@ -128,9 +129,9 @@ def test_compiled_blocks_train_like_eager_and_window_changes_do_not_recompile(tm
     policy = ["--model.aah.policy=random", "--model.aah.candidates=[8,16]", "--model.aah.redraw_interval=2",
               "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
     for mode in ("eager", "compiled"):
-        main(tiny_args(*policy, f"--model.compile_blocks={mode == 'compiled'}", f"--checkpoint.dirpath={tmp_path}/{mode}",
-                       "--trainer.callbacks+=_resume_helpers.Recorder", f"--trainer.callbacks.folder={tmp_path}/{mode}",
-                       steps=4))
+        main(tiny_args(*policy, f"--model.compile_blocks={mode == 'compiled'}",
+                       f"--checkpoint.dirpath={tmp_path}/{mode}", "--trainer.callbacks+=_resume_helpers.Recorder",
+                       f"--trainer.callbacks.folder={tmp_path}/{mode}", steps=4))
     eager, compiled = read_run(tmp_path / "eager"), read_run(tmp_path / "compiled")
     assert [r["table"] for r in compiled] == [r["table"] for r in eager] and len({str(r["table"]) for r in eager}) > 1
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)

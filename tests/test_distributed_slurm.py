@@ -20,7 +20,9 @@ def _fake_bin(tmp_path, srun_body: str):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text("#!/bin/bash\n" + srun_body)
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\nkill "$(cat {tmp_path}/srun.pid)"\n')
+    # scontrol stand-in: records its arguments and, like a requeue, ends the running job step.
+    scontrol = f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\nkill "$(cat {tmp_path}/srun.pid)"\n'
+    (bin_dir / "scontrol").write_text(scontrol)
     for name in ("srun", "scontrol"):
         (bin_dir / name).chmod(0o755)
     env = subprocess_env()

@@ -33,7 +33,7 @@ def gather(obj) -> list:
     return out
 
 
-# -- model preparation --------------------------------------------------------------------------------------------------
+# -- model preparation -------------------------------------------------------------------------------------------------
 def _fully_shard():
     try:
         from torch.distributed.fsdp import fully_shard
@@ -87,7 +87,7 @@ def is_sharded(param: nn.Parameter) -> bool:
     return isinstance(param, DTensor) and param.to_local().numel() < param.numel()
 
 
-# -- window tables ------------------------------------------------------------------------------------------------------
+# -- window tables -----------------------------------------------------------------------------------------------------
 class WindowTableSync:
     """Asserts that every rank trains with the same window table.
 
@@ -114,7 +114,8 @@ class WindowTableSync:
             return
         if self._weights is None or self._weights.device != windows.device:
             # Position weights make the checksum see swapped entries, not only their sum.
-            self._weights = torch.arange(1, windows.numel() + 1, device=windows.device, dtype=torch.int64).view_as(windows)
+            n = windows.numel()
+            self._weights = torch.arange(1, n + 1, device=windows.device, dtype=torch.int64).view_as(windows)
         checksum = (windows.to(torch.int64) * self._weights).sum()
         both = torch.stack([checksum, -checksum])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -134,7 +135,7 @@ class WindowTableSync:
             )
 
 
-# -- RNG states ---------------------------------------------------------------------------------------------------------
+# -- RNG states --------------------------------------------------------------------------------------------------------
 def rng_state() -> dict:
     """This process's Python, NumPy, torch (and CUDA) RNG states, as types ``torch.load(weights_only=True)`` reads."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
