@@ -14,7 +14,6 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from aah_lightning.errors import ConfigError
 
@@ -79,12 +78,6 @@ def prepare_model(module, compile_blocks: bool, activation_checkpointing: bool) 
     for block in gpt.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(gpt, mesh=dp_mesh)  # the rest: tied embedding / lm_head, final norm
-
-
-def is_sharded(param: nn.Parameter) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(param, DTensor) and param.to_local().numel() < param.numel()
 
 
 # -- window tables -----------------------------------------------------------------------------------------------------
