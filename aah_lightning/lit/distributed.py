@@ -53,7 +53,9 @@ def prepare_model(module, compile_blocks: bool, activation_checkpointing: bool) 
             gpt.blocks[i] = checkpoint_wrapper(block)
     if compile_blocks:
         # One graph per (plan kind, grad mode, batch shape), maybe per layer: more than the default 8 of Block.forward.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        setattr(cfg, name, max(getattr(cfg, name), 128))
         # DDP's graph splitting at bucket boundaries buys nothing for per-block graphs (DDP's own hooks already
         # overlap each block's gradients) and has broken on higher-order ops like flex (pytorch#137481).
         torch._dynamo.config.optimize_ddp = False
