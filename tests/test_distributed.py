@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from _resume_helpers import PYTHON, REPO, read_run, subprocess_env
+from tb import read_events
 from test_resume import assert_same_training
 
 STEPS, INTERRUPT_AT = 6, 3
@@ -94,8 +95,13 @@ def test_ddp_fit_checkpoint_preempt_resume_is_exact(tmp_path, ddp_reference):
 
 
 def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_reference):
-    extra = ["--trainer.strategy.init_args.data_parallel_size=2", "--model.activation_checkpointing=true"]
+    # Also: the attention-mass probe (a no-grad forward on every rank) must work on a sharded model.
+    extra = ["--trainer.strategy.init_args.data_parallel_size=2", "--model.activation_checkpointing=true",
+             "--diagnostics.amc_every_n_steps=2", "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+             f"--trainer.logger.init_args.save_dir={tmp_path}/tb"]
     _preempted_then_resumed(tmp_path, FSDP2, *extra)
+    amc = read_events(tmp_path / "tb")["scalars"]["aah/attention_mass_coverage"]
+    assert {s for s, _ in amc} >= {2, 4, 6} and all(0 < v <= 1 for _, v in amc)  # before and after the resume
     runs = [read_run(tmp_path / "rec", r) for r in (0, 1)]
     _check_ranks(runs)
     # Sharded: every rank holds about half of each weight matrix.
