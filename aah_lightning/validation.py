@@ -60,14 +60,24 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
             folders.append(cb.dirpath or "the logger's new version folder (checkpoint.dirpath is not set)")
         elif isinstance(cb, OnExceptionCheckpoint):
             candidates.add(cb.ckpt_path)
-    found = [p for p in candidates if p and os.path.isfile(p)]
+    written = {p: _written(p) for p in candidates if p}
+    found = [p for p, t in written.items() if t is not None]
     if not found:
         where = ", ".join(dict.fromkeys(str(f) for f in folders)) or "no checkpoint folder (no ModelCheckpoint callback)"
         raise ConfigError(
             f"ckpt_path='last' but there is no last checkpoint in {where}: omit --ckpt_path to start a new run, or "
             f"pass a checkpoint file"
         )
-    return max(found, key=os.path.getmtime)
+    return max(found, key=written.get)
+
+
+def _written(path: str) -> Optional[float]:
+    """When a checkpoint was last written: a file, or a torch.distributed.checkpoint folder (FSDP2's last.ckpt/),
+    dated by its metadata, which every save rewrites. None if there is no checkpoint at ``path``."""
+    if os.path.isfile(path):
+        return os.path.getmtime(path)
+    metadata = os.path.join(path, ".metadata")
+    return os.path.getmtime(metadata) if os.path.isfile(metadata) else None
 
 
 def _plain_key(key: str) -> str:

@@ -1,33 +1,103 @@
-"""LightningDataModule: corpus -> tokens -> packed ``seq_len + 1`` blocks -> train / val loaders."""
+"""LightningDataModule: corpus -> tokens -> packed ``seq_len + 1`` blocks -> train / val loaders.
+
+Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
+permutations), streamed ones through ``split_dataset_by_node``. The training position is part of every checkpoint
+(``state_dict``), so a resumed run continues with exactly the batches the interrupted one would have seen next.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import warnings
 import zlib
+from collections import deque
 from typing import Optional
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from aah_lightning.data import corpora
 from aah_lightning.data.packing import EndlessSampler, PackedBlocks, concatenate, pack_stream
 from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
+from aah_lightning.lit.distributed import gather
+
+# Lightning warns on every mid-epoch resume unless the loader has its own state_dict. This data module positions its
+# loaders from the checkpoint itself (``state_dict`` / ``_map_position``), so the warning would be wrong here.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 SOURCES = ("stdlib", "files", "hub", "synthetic")
 
 
-class _StreamedBlocks(IterableDataset):
-    """Packed blocks from a streamed hub dataset (documents after the held-out validation prefix)."""
+def _text_key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
-    def __init__(self, dataset, tokenizer, seq_len: int, skip_docs: int):
-        self.dataset, self.tokenizer, self.seq_len, self.skip_docs = dataset, tokenizer, seq_len, skip_docs
+
+class _StreamedBlocks(IterableDataset):
+    """Packed blocks from one rank's shard of a streamed dataset, without the held-out validation documents.
+
+    ``endless``: pass after pass (step-based runs), else one pass per iteration (one Lightning epoch).
+
+    Resumable: every block carries, as the JSON string ``resume``, the stream position after it: the datasets
+    position before the oldest document that still has tokens in the packing buffer, how many of its tokens were
+    already emitted, its document id, the pass and the block count. Restarting from that position re-reads that one
+    document and continues token for token. The data module takes ``resume`` off each batch before the model sees it.
+    """
+
+    def __init__(self, dataset, tokenizer, seq_len: int, exclude: frozenset, endless: bool, initial: dict):
+        self.dataset, self.tokenizer, self.seq_len = dataset, tokenizer, seq_len
+        self.exclude, self.endless = exclude, endless
+        self.initial = initial  # the datasets position before the first document of a pass
+        self.start: dict | None = None  # {worker id: position} where the next iteration begins, after a restore
 
     def __iter__(self):
-        docs = (self.tokenizer.encode(row["text"]) for row in self.dataset.skip(self.skip_docs))
-        yield from pack_stream(docs, self.tokenizer.eos_id, self.seq_len)
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        pos = (self.start or {}).get(str(worker)) or {"pass": 0, "hf": self.initial, "offset": 0, "doc": 0, "block": 0}
+        block, eos = self.seq_len + 1, self.tokenizer.eos_id
+        epoch, doc, count, skip, hf = pos["pass"], pos["doc"], pos["block"], pos["offset"], pos["hf"]
+        while True:
+            self.dataset.load_state_dict(hf)
+            buf_t = buf_d = np.zeros(0, np.int64)
+            docs = deque()  # [position before the document, its id, tokens in the buffer, tokens already emitted]
+            before = hf
+            for row in self.dataset:
+                after = self.dataset.state_dict()
+                text = row["text"]
+                if not text or _text_key(text) in self.exclude:
+                    before = after
+                    continue
+                toks = np.append(np.asarray(self.tokenizer.encode(text), np.int64), eos)[skip:]
+                docs.append([before, doc, len(toks), skip])
+                buf_t = np.concatenate([buf_t, toks])
+                buf_d = np.concatenate([buf_d, np.full(len(toks), doc, np.int64)])
+                doc, skip, before = doc + 1, 0, after
+                while len(buf_t) >= block:
+                    item = {"tokens": torch.from_numpy(buf_t[:block]), "doc_ids": torch.from_numpy(buf_d[:block])}
+                    buf_t, buf_d = buf_t[block:], buf_d[block:]
+                    used = block
+                    while used:  # drop the emitted tokens from the document records
+                        take = min(used, docs[0][2])
+                        docs[0][2] -= take
+                        docs[0][3] += take
+                        used -= take
+                        if docs[0][2] == 0:
+                            docs.popleft()
+                    count += 1
+                    head = docs[0] if docs else [after, doc, 0, 0]
+                    state = {"worker": worker, "pass": epoch, "hf": head[0], "offset": head[3], "doc": head[1],
+                             "block": count}
+                    yield {**item, "index": count - 1, "resume": json.dumps(state)}
+            # End of a pass: the partial block left over is dropped, as the packer always does.
+            epoch, hf, skip = epoch + 1, self.initial, 0
+            if not self.endless:
+                return
 
 
 class TextDataModule(L.LightningDataModule):
@@ -88,6 +158,8 @@ class TextDataModule(L.LightningDataModule):
             self.tokenizer = load_tokenizer(tokenizer)
             self._vocab, self._eos = self.tokenizer.vocab_size, self.tokenizer.eos_id
         self.train_set = self.val_set = None
+        self._restored: dict | None = None  # the data state of the checkpoint being resumed
+        self._stream_position: dict = {}  # {worker id: position after the last block trained on} (streams)
 
     @property
     def vocab_size(self) -> int:
@@ -131,7 +203,8 @@ class TextDataModule(L.LightningDataModule):
                 f"the corpus has {len(tokens)} tokens, fewer than two blocks of data.seq_len+1={block}: "
                 f"use more data or a smaller data.seq_len"
             )
-        n_val = min(max(1, int(round(n_blocks * hp.val_fraction))), n_blocks - 1)
+        world = self._rank_world()[1]  # every rank validates on at least one block of its own
+        n_val = min(max(world, int(round(n_blocks * hp.val_fraction))), n_blocks - 1)
         cut = (n_blocks - n_val) * block
         self.train_set = PackedBlocks(tokens[:cut], doc_ids[:cut], hp.seq_len)
         self.val_set = PackedBlocks(tokens[cut:], doc_ids[cut:], hp.seq_len)
@@ -141,22 +214,28 @@ class TextDataModule(L.LightningDataModule):
         ds = corpora.hub_corpus(hp.hub_name, hp.hub_config, hp.hub_split, hp.text_field)
         if hp.text_field != "text":
             ds = ds.rename_column(hp.text_field, "text")
-        val, used_docs = [], 0
-        docs = (self.tokenizer.encode(row["text"]) for row in ds)
-        counted = _Counting(docs)
-        for item in pack_stream(counted, self._eos, hp.seq_len):
+        # Validation: the first documents of the stream, read by every rank. Training leaves them out wherever the
+        # split below puts them (by content: ``skip`` before a split would skip per shard, not the stream's head).
+        initial = ds.state_dict()  # taken before any reading: afterwards it reports where reading stopped
+        val, held_out = [], []
+        docs = (self.tokenizer.encode(t) for t in _Recording((row["text"] for row in ds), held_out))
+        for item in pack_stream(docs, self._eos, hp.seq_len):
             val.append(item)
             if len(val) >= hp.val_blocks:
                 break
-        used_docs = counted.count
         self.val_set = val
         rank, world = self._rank_world()
         if world > 1:
             from datasets.distributed import split_dataset_by_node
 
-            ds = split_dataset_by_node(ds.skip(used_docs), rank=rank, world_size=world)
-            used_docs = 0
-        self.train_set = _StreamedBlocks(ds, self.tokenizer, hp.seq_len, used_docs)
+            # Whole shards per rank when n_shards % world == 0, else every rank reads all and keeps every world-th.
+            ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+            initial = ds.state_dict()  # a new dataset, not read yet
+        endless = self.trainer is None or self.trainer.max_steps > 0
+        exclude = frozenset(_text_key(t) for t in held_out)
+        self.train_set = _StreamedBlocks(ds, self.tokenizer, hp.seq_len, exclude, endless, initial)
+        if self._restored is not None:
+            self._apply_restored_stream(rank, world)
 
     # -- loaders ---------------------------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -165,23 +244,37 @@ class TextDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
+    def _map_position(self) -> tuple[int, int]:
+        """(items this rank has consumed, items its loader must hold) for a map-style corpus.
+
+        Positions follow from the restored loop state at optimizer-step boundaries (where checkpoints are written):
+        ``global_step * batch_size * accumulate_grad_batches``. The loader's length is what Lightning expects of it:
+        on a resume it restores its batch count and stops after ``len - count`` batches, so the loader keeps the
+        length of the uninterrupted run while its sampler starts at the position.
+        """
+        hp, trainer = self.hparams, self.trainer
+        if trainer is None:
+            return 0, len(self.train_set)
+        _, world = self._rank_world()
+        acc = trainer.accumulate_grad_batches
+        if trainer.max_steps > 0:  # step-based: one Lightning epoch spans the whole run
+            per_step = hp.batch_size * acc
+            return trainer.global_step * per_step, trainer.max_steps * per_step
+        # Epoch-based: one pass of the shard per epoch (the last partial batch dropped); a step ends early at the
+        # epoch's end, as Lightning steps on the last batch.
+        per_rank = len(self.train_set) // world
+        batches = per_rank // hp.batch_size
+        steps_per_epoch = math.ceil(batches / acc)
+        epoch = trainer.current_epoch
+        done = min(batches, max(0, trainer.global_step - epoch * steps_per_epoch) * acc)
+        return epoch * per_rank + done * hp.batch_size, batches * hp.batch_size
+
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         if isinstance(self.train_set, IterableDataset):
             return DataLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
         rank, world = self._rank_world()
-        trainer = self.trainer
-        per_step = hp.batch_size * (trainer.accumulate_grad_batches if trainer else 1)
-        consumed = trainer.global_step * per_step if trainer else 0
-        total = trainer.max_steps * per_step if trainer and trainer.max_steps > 0 else None
-        if total is None:  # epoch-based training: one pass per Lightning epoch
-            epoch = trainer.current_epoch if trainer else 0
-            per_rank = len(self.train_set) // world
-            consumed, total = epoch * per_rank, (epoch + 1) * per_rank
-        # Step-based runs: the loader is as long as the whole run, whatever was already consumed. On a resume Lightning
-        # restores its batch count and runs the loader from its start (which skips what was consumed), so a shorter
-        # loader would end the epoch early, replay data and trip val_check_interval.
-        length = total if trainer and trainer.max_steps > 0 else total - consumed
+        consumed, length = self._map_position()
         sampler = EndlessSampler(
             len(self.train_set), hp.seed, length=max(0, length), rank=rank, world_size=world, start=consumed
         )
@@ -207,14 +300,76 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    # -- the data position in checkpoints ---------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        """What the position means: a resume is exact only if these match."""
+        hp, trainer = self.hparams, self.trainer
+        return {
+            "source": hp.source,
+            "seed": hp.seed,
+            "batch_size": hp.batch_size,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer else 1,
+            "world_size": self._rank_world()[1],
+            "num_workers": hp.num_workers if hp.source == "hub" else 0,
+        }
 
-class _Counting:
-    """Wraps an iterator and counts the items taken from it."""
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # Streamed training batches carry their positions; keep the last one per worker, drop them from the batch.
+        if isinstance(batch, dict) and "resume" in batch:
+            for text in batch.pop("resume"):
+                position = json.loads(text)
+                self._stream_position[str(position.pop("worker"))] = position
+            if isinstance(self.train_set, _StreamedBlocks):
+                self.train_set.start = None  # used by the first iteration after a restore only
+        return batch
 
-    def __init__(self, it):
-        self.it, self.count = it, 0
+    def state_dict(self) -> dict:
+        """The layout, and for streams every rank's position. A map-style position needs no entry: it follows from
+        the layout and the restored loop state (``_map_position``)."""
+        # Called on every rank when a checkpoint is written; rank 0 writes what all ranks gathered.
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        state = {"layout": self._layout()}
+        if isinstance(self.train_set, _StreamedBlocks):
+            state["streams"] = gather(dict(self._stream_position))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self._restored = state
+        changed = {k: (v, self._layout()[k]) for k, v in state["layout"].items() if self._layout().get(k) != v}
+        if changed:
+            rank_zero_warn(
+                "resuming with another data layout ("
+                + ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
+                + "): training continues, but not with the batches the interrupted run would have seen"
+            )
+        if isinstance(self.train_set, _StreamedBlocks):
+            self._apply_restored_stream(*self._rank_world())
+
+    def _apply_restored_stream(self, rank: int, world: int) -> None:
+        streams = (self._restored or {}).get("streams")
+        if streams is None:
+            return
+        if len(streams) != world:
+            rank_zero_warn(
+                f"the checkpoint holds stream positions of {len(streams)} ranks, this run has {world}: every rank "
+                f"restarts its shard from the beginning"
+            )
+            return
+        self._stream_position = dict(streams[rank])
+        self.train_set.start = dict(streams[rank])
+
+
+class _Recording:
+    """Wraps an iterator and keeps the items taken from it."""
+
+    def __init__(self, it, out: list):
+        self.it, self.out = it, out
 
     def __iter__(self):
         for x in self.it:
-            self.count += 1
+            self.out.append(x)
             yield x

@@ -10,12 +10,14 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.policies import make_policy
 from aah_lightning.errors import require
+from aah_lightning.lit import distributed
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -60,6 +62,8 @@ class AAHModule(L.LightningModule):
         backend: str = "auto",
         block_size: int = 128,
         document_mask: bool = False,
+        compile_blocks: bool = False,
+        activation_checkpointing: bool = False,
         aah: Optional[AAHConfig] = None,
         optim: Optional[OptimConfig] = None,
     ):
@@ -76,6 +80,8 @@ class AAHModule(L.LightningModule):
             backend: attention backend: auto, flex, sdpa.
             block_size: FlexAttention BlockMask tile size.
             document_mask: queries attend only within their own document.
+            compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.
+            activation_checkpointing: recompute each block's activations in the backward pass (less memory).
             aah: the window policy and its settings.
             optim: optimiser and schedule.
         """
@@ -91,7 +97,8 @@ class AAHModule(L.LightningModule):
             dict(
                 n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=vocab_size,
                 mlp_ratio=mlp_ratio, bias=bias, rope_base=rope_base, backend=backend, block_size=block_size,
-                document_mask=document_mask, aah=asdict(aah), optim=asdict(optim),
+                document_mask=document_mask, compile_blocks=compile_blocks,
+                activation_checkpointing=activation_checkpointing, aah=asdict(aah), optim=asdict(optim),
             )
         )
         self.gpt_config = GPTConfig(
@@ -114,6 +121,17 @@ class AAHModule(L.LightningModule):
         self.model.set_windows(self.policy.initial_table())
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self.table_sync = distributed.WindowTableSync()
+        self._prepared = False
+        self._rng_to_restore = None
+
+    def configure_model(self) -> None:
+        # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
+        if self._prepared:
+            return
+        hp = self.hparams
+        distributed.prepare_model(self, hp.compile_blocks, hp.activation_checkpointing)
+        self._prepared = True
 
     # -- forward / loss ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,9 +145,11 @@ class AAHModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
         if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            version = self.model.windows._version  # a policy may also write the buffer itself
             table = self.policy.on_train_step(self.global_step, self.model, batch)
             if table is not None:
                 self.model.set_windows(table)
+            self.table_sync.update(self.model.windows, self.global_step, self.model.windows._version != version)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -185,11 +205,38 @@ class AAHModule(L.LightningModule):
         # The CLI checks this before the Trainer starts; repeated here for code that drives a Trainer directly.
         validation.check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
 
+    def on_fit_start(self) -> None:
+        ddp_kwargs = getattr(self.trainer.strategy, "_ddp_kwargs", None)
+        if ddp_kwargs is not None and ddp_kwargs.get("broadcast_buffers", True) and self.trainer.world_size > 1:
+            rank_zero_warn(
+                "DDP broadcasts buffers before every forward, which rewrites the window table each step and makes the "
+                "attention planner read it back to the host every step. Use DDPStrategy(broadcast_buffers=False) "
+                "(configs/cluster/ddp.yaml); aah checks that the tables agree across ranks."
+            )
+
+    def on_train_start(self) -> None:
+        # Restored here, after Lightning has built the train loader (which draws from the global RNG), so the
+        # generators continue from exactly where the interrupted run saved them.
+        if self._rng_to_restore is not None:
+            distributed.set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["aah_policy"] = self.policy.state_dict()
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
+        checkpoint["aah_rng"] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
         validation.check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
+        states = checkpoint.get("aah_rng")
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if states is not None and len(states) == world:
+            self._rng_to_restore = states[self.trainer.global_rank if self._trainer is not None else 0]
+        elif states is not None:
+            rank_zero_warn(
+                f"the checkpoint holds RNG states of {len(states)} ranks, this run has {world}: RNG states not restored"
+            )

@@ -65,7 +65,9 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.capture is not None:
             self.capture.append((q.detach(), k.detach(), v.detach()))
-        y = attend(q, k, v, plan)
+        # v is a strided view into the qkv output; inside a compiled block, CPU flex reads such a view wrongly
+        # (pytorch#157612, q/k/v of one buffer). One copy per layer is cheap against attention.
+        y = attend(q, k, v.contiguous(), plan)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
