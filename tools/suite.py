@@ -3,10 +3,13 @@
     python tools/suite.py --rows configs/cpu --seeds 0 1 2 --out runs/suite_cpu
 
 A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) and one overlay per row
-(``<row>.yaml``). Each run is ``aah fit --config base.yaml --config <row>.yaml --seed_everything <seed>``, logged to
-``<out>/<row>/seed<seed>/``. Finished runs are skipped when the suite is started again, so an interrupted suite
-resumes. Outputs in ``<out>``: ``results.csv`` (one line per run), ``results.md`` (mean +- std over seeds per row,
-difference to the baseline row) and ``val_loss_vs_acr.png``.
+(``<row>.yaml``). Each run is ``aah fit --config base.yaml --config <row>.yaml --seed_everything <seed>
+--model.aah.seed <seed>``, logged to ``<out>/<row>/seed<seed>/``: a seed changes the initialisation and every
+policy's own randomness (random windows, the probe's query sample, random grouping, the paper allocator's networks,
+the shuffles); the data order and split stay fixed (``data.seed``), so all runs see the same batches. Finished runs
+are skipped when the suite is started again, so an interrupted suite resumes. Outputs in ``<out>``: ``results.csv``
+(one line per run), ``results.md`` (mean +- std over seeds per row, difference to the baseline row) and
+``val_loss_vs_acr.png``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
         "--config", os.path.join(rows_dir, "base.yaml"),
         "--config", row_path,
         f"--seed_everything={seed}",
+        f"--model.aah.seed={seed}",
         f"--trainer.logger.init_args.save_dir={os.path.join(out, row)}",
         f"--trainer.logger.init_args.name=seed{seed}",
         "--trainer.logger.init_args.version=logs",

@@ -32,7 +32,11 @@ class ControllerConfig:
         random_groups: number of groups of ``fixed_random``.
         depth: at most this many hierarchy levels (1 = flat groups).
     Allocation:
-        allocator: how groups get windows: ``reach`` (smallest candidate whose mass share reaches coverage_target).
+        allocator: how groups get windows: ``reach`` (smallest candidate whose mass share reaches coverage_target)
+            or ``paper`` (the authors' scorer networks, for parity studies: seeded random weights that are never
+            trained, exactly as in the authors' code, where they never receive a gradient).
+        paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
+            paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
         coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
         target_acr / target_causal_coverage: optional compute ceiling per layer (at most one of them).
         parent_constraint: a child group's window never exceeds its parent's.
@@ -58,6 +62,7 @@ class ControllerConfig:
     random_groups: int = 2
     depth: int = 2
     allocator: str = "reach"
+    paper_joint_scorer: bool = True
     coverage_target: float = 0.9
     target_acr: Optional[float] = None
     target_causal_coverage: Optional[float] = None
@@ -138,12 +143,16 @@ class AAHConfig:
     """Which policy writes the window table, and its settings.
 
     policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static`` (explicit ``table``),
-        ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``).
+        ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``),
+        ``shuffle`` (the controller's table with each layer's windows permuted among its heads, re-permuted at
+        every decision and, if ``redraw_interval`` > 0, every that many steps; a control).
     candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
     window: the window of the ``fixed`` policy.
     table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
-    seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling and random grouping).
-    redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start).
+    seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
+        ``paper`` allocator networks, and of the ``shuffle`` permutations).
+    redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle`` re-permutes
+        every this many steps as well as at each decision (0 = at decisions only).
     controller: settings of the ``adaptive`` policy (``ControllerConfig``).
     """
 
@@ -207,5 +216,5 @@ class AAHConfig:
                         f"every window an integer in [1, seq_len={seq_len}]",
                     )
         require(self.redraw_interval >= 0, "model.aah.redraw_interval", self.redraw_interval, "0 (draw once) or more")
-        if self.policy == "adaptive":
+        if self.policy in ("adaptive", "shuffle"):
             self.controller.validate(cands, seq_len, n_head)

@@ -101,3 +101,7 @@ def make_policy(cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int) -> Wind
 from aah_lightning.aah.controller.adaptive import AdaptivePolicy  # noqa: E402
 
 POLICIES[AdaptivePolicy.name] = AdaptivePolicy
+
+# Shuffle-post-select wraps the controller, so it comes after it; the module registers itself in POLICIES (a plain
+# import, so that importing aah.shuffle first works too).
+import aah_lightning.aah.shuffle  # noqa: E402,F401

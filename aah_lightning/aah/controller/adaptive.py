@@ -24,7 +24,7 @@ from torch import Tensor
 
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.controller import features as feats
-from aah_lightning.aah.controller.allocators import ALLOCATORS, LayerInputs, window_costs
+from aah_lightning.aah.controller.allocators import LayerInputs, make_allocator, window_costs
 from aah_lightning.aah.controller.grouping import (
     Partition,
     cluster_heads,
@@ -47,7 +47,7 @@ class AdaptivePolicy(WindowPolicy):
         super().__init__(cfg, n_layer, n_head, seq_len)
         self.ctl = cfg.controller
         self.layout = feats.FeatureLayout(len(self.candidates))
-        self.allocator = ALLOCATORS[self.ctl.allocator]
+        self.allocator = make_allocator(self.ctl, n_layer, self.candidates, cfg.seed)
         budget = self.ctl.budget()
         self.costs = None if budget is None else window_costs(self.candidates, seq_len, budget[0])
         self.layer_budget = None if budget is None else budget[1] * n_head
@@ -123,7 +123,7 @@ class AdaptivePolicy(WindowPolicy):
                 LayerInputs(
                     hierarchy=hierarchy, profile=profiles[layer], features=self.ema[layer],
                     candidates=self.candidates, seq_len=self.seq_len, coverage_target=c.coverage_target,
-                    parent_constraint=c.parent_constraint, costs=self.costs, budget=self.layer_budget,
+                    parent_constraint=c.parent_constraint, costs=self.costs, budget=self.layer_budget, layer=layer,
                 )
             )
             if c.parent_constraint:
@@ -188,6 +188,8 @@ class AdaptivePolicy(WindowPolicy):
             "last_coverage": None if self.last_coverage is None else self.last_coverage.clone(),
             "probe_generator": self.probe_generator.get_state(),
             "partition_generator": self.partition_generator.get_state(),
+            # Stateful allocators (``paper``: its fixed random networks) resume with the same weights.
+            "allocator": self.allocator.state_dict() if hasattr(self.allocator, "state_dict") else {},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -214,6 +216,8 @@ class AdaptivePolicy(WindowPolicy):
         self.last_coverage = None if cov is None else cov.clone()
         self.probe_generator.set_state(state["probe_generator"])
         self.partition_generator.set_state(state["partition_generator"])
+        if state.get("allocator") and hasattr(self.allocator, "load_state_dict"):
+            self.allocator.load_state_dict(state["allocator"])
 
 
 def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> None:

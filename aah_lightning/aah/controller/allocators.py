@@ -9,7 +9,12 @@ every group of that level. The policy maps level-0 groups to their heads and che
   start at the smallest candidate and the largest mass gain per unit of added compute is bought first, sibling
   against sibling, until the ceiling or the coverage target stops it. This replaces the reference's MLP scorer,
   which never received a gradient (its "learned" windows were a fixed random function of the statistics).
-* ``paper``: the reference's scorer, for parity studies, is to be registered here (issue 8).
+* ``paper`` (``paper_allocator.py``): the reference's decision procedure, for parity studies: enriched 29-number
+  inputs, a 29->16->K scorer and a joint sibling scorer, argmax, top-down. Its networks are seeded random weights
+  that are never trained, exactly as in the reference, where they never receive a gradient.
+
+A registry entry is either a plain function (stateless, like ``reach``) or a class with a ``for_policy`` constructor
+and ``state_dict`` / ``load_state_dict`` (its state is checkpointed with the policy); ``make_allocator`` builds either.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class LayerInputs:
     features: ``[H, F]`` float64, the full packed feature vector (``features.FeatureLayout``), EMA-smoothed.
     costs: ``[K]`` float64, compute of one head on each candidate, in the budget's measure (None without budget).
     budget: compute ceiling of the whole layer (sum over heads) in that measure, or None.
+    layer: index of the layer (allocators with per-layer state, like ``paper``, read it).
     """
 
     hierarchy: Hierarchy
@@ -46,6 +52,7 @@ class LayerInputs:
     parent_constraint: bool = True
     costs: Tensor | None = None
     budget: float | None = None
+    layer: int = 0
 
 
 def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
@@ -132,4 +139,13 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
 
 Allocator = Callable[[LayerInputs], list[list[int]]]
 
-ALLOCATORS: dict[str, Allocator] = {"reach": reach_allocator}
+# paper_allocator.py imports this module's names for type hints only, so registering it here is not circular.
+from aah_lightning.aah.controller.paper_allocator import PaperAllocator  # noqa: E402
+
+ALLOCATORS: dict[str, Allocator | type] = {"reach": reach_allocator, "paper": PaperAllocator}
+
+
+def make_allocator(ctl, n_layer: int, candidates: list[int], seed: int) -> Allocator:
+    """The allocator ``ctl.allocator`` names, built for a policy of ``n_layer`` layers (seeded by ``seed``)."""
+    entry = ALLOCATORS[ctl.allocator]
+    return entry.for_policy(ctl, n_layer, candidates, seed) if isinstance(entry, type) else entry

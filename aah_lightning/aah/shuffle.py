@@ -1,0 +1,98 @@
+"""The ``shuffle`` policy (shuffle-post-select, a control of the paper's lab): the AAH controller's table with each
+layer's windows permuted among that layer's heads.
+
+The controller (an ``AdaptivePolicy`` with the same ``model.aah.controller`` settings) decides as usual; its table is
+then permuted within every layer by a seeded random permutation. Each layer keeps the controller's window histogram
+(and so its ACR and causal coverage) but a head's window no longer depends on what that head does. This tests
+whether AAH's gain comes from *which* head gets which window or only from how many short windows a layer has.
+
+When: a new permutation at every decision of the controller (even one that leaves its table unchanged), and, when
+``model.aah.redraw_interval`` is k > 0, also every k steps after the first decision. The authors' lab re-permuted at
+every step (k = 1); the rows here re-permute at decisions only, so a head keeps its shuffled window for a control
+interval (and the attention masks are rebuilt only then).
+
+Seeded with ``model.aah.seed`` (offset 3; the controller uses the seed itself, + 1 and + 2); the wrapped controller's
+state, the generator and the table in use are all in ``state_dict``, so a resumed run permutes identically.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.controller.adaptive import AdaptivePolicy
+from aah_lightning.aah.policies import POLICIES, WindowPolicy
+
+SEED_OFFSET = 3
+
+
+class ShufflePolicy(WindowPolicy):
+    """The adaptive controller's choice, with windows permuted among the heads of each layer."""
+
+    name = "shuffle"
+
+    def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
+        super().__init__(cfg, n_layer, n_head, seq_len)
+        self.inner = AdaptivePolicy(cfg, n_layer, n_head, seq_len)
+        self.generator = torch.Generator().manual_seed(cfg.seed + SEED_OFFSET)
+        self.table: Tensor | None = None  # the permuted table in use (None before the first decision)
+        self.shuffles = 0
+
+    def permute(self, table: Tensor) -> Tensor:
+        """``table`` with each layer's row permuted by a fresh permutation."""
+        out = torch.empty_like(table)
+        for layer in range(table.shape[0]):
+            out[layer] = table[layer, torch.randperm(table.shape[1], generator=self.generator)]
+        return out
+
+    def on_train_step(self, step: int, model, batch) -> Tensor | None:
+        self.inner.on_train_step(step, model, batch)
+        if self.inner.table is None:  # warmup: full windows, nothing to permute
+            return None
+        k = self.cfg.redraw_interval
+        decided = self.inner.last_step == step
+        if not decided and not (k > 0 and step % k == 0):
+            return None
+        previous = self.table
+        self.table = self.permute(self.inner.table)
+        self.shuffles += 1
+        return None if previous is not None and torch.equal(previous, self.table) else self.table.clone()
+
+    # -- what diagnostics read: the controller's groups and their chosen windows (heads then show the shuffle) --
+    @property
+    def hierarchies(self):
+        return self.inner.hierarchies
+
+    @property
+    def group_windows(self):
+        return self.inner.group_windows
+
+    @property
+    def last_step(self):
+        return self.inner.last_step
+
+    @property
+    def chosen_table(self) -> Tensor | None:
+        """The controller's own (unpermuted) table of the last decision."""
+        return self.inner.table
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "inner": self.inner.state_dict(),
+            "generator": self.generator.get_state(),
+            "table": None if self.table is None else self.table.clone(),
+            "shuffles": self.shuffles,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.inner.load_state_dict(state["inner"])
+        self.generator.set_state(state["generator"])
+        self.table = None if state["table"] is None else state["table"].to(torch.int32).clone()
+        self.shuffles = int(state["shuffles"])
+
+
+POLICIES[ShufflePolicy.name] = ShufflePolicy
