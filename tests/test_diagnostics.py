@@ -41,7 +41,7 @@ def last(scalars, tag):
 def test_fit_logs_every_diagnostic_tag(tmp_path, tiny_args):
     main(tiny_args(
         "--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]", "--model.aah.redraw_interval=3",
-        "--diagnostics.amc_every_n_steps=2", "--throughput.peak_flops=1e12", steps=6,
+        "--diagnostics.amc_every_n_steps=2", "--diagnostics.visuals_min_interval=1", "--throughput.peak_flops=1e12", steps=6,
     ))
     events = read_events(tmp_path / "runs")
     scalars = events["scalars"]
@@ -224,7 +224,7 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
         max_steps=4, accelerator="cpu", devices=1, limit_val_batches=0, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
         logger=TensorBoardLogger(tmp_path, name="h"),
-        callbacks=[WindowDiagnostics(every_n_steps=100, amc_every_n_steps=0)],
+        callbacks=[WindowDiagnostics(every_n_steps=100, visuals_min_interval=1, amc_every_n_steps=0)],
     )
     trainer.fit(module, dm)
     events = read_events(tmp_path)
@@ -240,3 +240,19 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
     first, second = (t.tensor_proto.string_val[0].decode() for t in texts)
     assert "decision at step 0" in first and "decision at step 2" in second
     assert "L0.g1 W=8: h2=8" in second
+
+
+def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
+    """A table that changes every step is drawn at most once per visuals_min_interval, and its last state is drawn."""
+    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
+    module = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa",
+                       aah=AAHConfig("random", candidates=[4, 8, 16, 32], redraw_interval=1))
+    trainer = L.Trainer(
+        max_steps=7, accelerator="cpu", devices=1, limit_val_batches=0, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
+        logger=TensorBoardLogger(tmp_path, name="r"),
+        callbacks=[WindowDiagnostics(every_n_steps=100, visuals_min_interval=3, amc_every_n_steps=0)],
+    )
+    trainer.fit(module, dm)
+    images = read_events(tmp_path)["images"]["aah/window_map"]
+    assert [im.step for im in images] == [1, 4, 7]

@@ -150,8 +150,8 @@ class WindowDiagnostics(L.Callback):
     Every ``every_n_steps`` optimizer steps and whenever the table changes: ``aah/acr``, ``aah/causal_coverage``,
     ``aah/block_density``, ``aah/window_fraction/<W>``, ``aah/window_change_rate``, the policy's group counts and
     hierarchy levels, per-layer values, and the histograms ``aah/windows``. At the first step and whenever the table
-    or the policy's decision (``policy.last_step``) changes: the image ``aah/window_map`` and the text
-    ``aah/hierarchy``. Every ``amc_every_n_steps``: the attention-mass coverage from a small probe of the current
+    or the policy's decision (``policy.last_step``) changes, at most once per ``every_n_steps``: the image
+    ``aah/window_map`` and the text ``aah/hierarchy``. Every ``amc_every_n_steps``: the attention-mass coverage from a small probe of the current
     batch (the only diagnostic that runs the model).
     """
 
@@ -163,6 +163,7 @@ class WindowDiagnostics(L.Callback):
         histograms: bool = True,
         window_map: bool = True,
         hierarchy: bool = True,
+        visuals_min_interval: int = 50,
         amc_every_n_steps: int = 250,
         amc_sequences: int = 1,
         amc_queries: int = 32,
@@ -176,6 +177,8 @@ class WindowDiagnostics(L.Callback):
             histograms: log the histograms ``aah/windows``.
             window_map: log the image ``aah/window_map`` when the table changes.
             hierarchy: log the text ``aah/hierarchy`` when the table or the policy's decision changes.
+            visuals_min_interval: at least this many steps between two window maps / hierarchy texts (a map costs
+                ~0.5 s to draw; a change inside the interval is drawn as soon as it ends).
             amc_every_n_steps: log ``aah/attention_mass_coverage`` every this many steps (0 = never). It runs one
                 no-grad forward of ``amc_sequences`` sequences on every rank, plus ``O(L*H*S*T)`` probe math.
             amc_sequences: sequences of the current batch the AMC probe reads.
@@ -194,6 +197,9 @@ class WindowDiagnostics(L.Callback):
         self.histograms = histograms
         self.window_map = window_map
         self.hierarchy = hierarchy
+        require(isinstance(visuals_min_interval, int) and visuals_min_interval >= 1, "diagnostics.visuals_min_interval",
+                visuals_min_interval, "a positive number of steps")
+        self.visuals_min_interval = visuals_min_interval
         self.amc_every_n_steps = amc_every_n_steps
         self.amc_sequences = amc_sequences
         self.amc_queries = amc_queries
@@ -202,6 +208,7 @@ class WindowDiagnostics(L.Callback):
         self._last_table = None  # the table at the last logged step
         self._last_step = None
         self._visual_key = None
+        self._visual_step = None
         self.block_density_sources: list[str] = []  # per layer: "blockmask" or "analytic", at the last log
 
     # -- when -----------------------------------------------------------------------------------------------------
@@ -291,12 +298,16 @@ class WindowDiagnostics(L.Callback):
         self._last_table = table
 
     def log_visuals(self, tb, pl_module, table, step: int, seq_len: int) -> None:
-        """Window map and hierarchy text, at the first step after the table or the policy's decision changed."""
+        """Window map and hierarchy text, at the first step after the table or the policy's decision changed - but at
+        most once per ``every_n_steps``: drawing the map costs ~0.5 s, which at a control interval of 5 would cost more
+        than the training. A change inside that spacing is drawn at the first step the spacing allows."""
         policy = getattr(pl_module, "policy", None)
         key = (tuple(table.flatten().tolist()), diag.decision_step(policy))
         if key == self._visual_key:
             return
-        self._visual_key = key
+        if self._visual_step is not None and step - self._visual_step < self.visuals_min_interval:
+            return
+        self._visual_key, self._visual_step = key, step
         if self.window_map:
             from aah_lightning.aah import plots
 
