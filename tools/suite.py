@@ -1,6 +1,6 @@
 """Run the paper's rows x seeds, read every run's TensorBoard events, and write the comparison.
 
-    python tools/suite.py --rows configs/cpu --seeds 0 1 2 --out runs/suite_cpu
+    python tools/suite.py --rows configs/cpu --seeds 0 1 2 --out runs/suite_cpu [--jobs 2 --threads 1]
 
 A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) and one overlay per row
 (``<row>.yaml``). Each run is ``aah fit --config base.yaml --config <row>.yaml --seed_everything <seed>
@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -170,6 +171,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="*", help="run only these rows")
     p.add_argument("--rerun", action="store_true", help="rerun runs that already finished")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
@@ -178,33 +181,45 @@ def main(argv=None) -> None:
     files = [f for f in row_files(args.rows) if not args.only or row_name(f) in args.only]
     rows = [row_name(f) for f in files]
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    records, started = [], time.time()
-    for path in files:
-        for seed in args.seeds:
-            rd = run_dir(args.out, row_name(path), seed)
-            done = os.path.join(rd, "done")
-            cmd = fit_command(args.rows, path, seed, args.out, extra)
-            if args.dry_run:
-                print(" ".join(shlex.quote(a) for a in cmd))
-                continue
-            if args.rerun or not os.path.exists(done):
-                shutil.rmtree(rd, ignore_errors=True)  # a half-finished run starts clean
-                os.makedirs(rd)
-                t0 = time.time()
-                with open(os.path.join(rd, "fit.log"), "w") as log:
-                    result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-                if result.returncode != 0:
-                    sys.exit(f"{row_name(path)} seed {seed} failed (exit {result.returncode}); see {rd}/fit.log")
-                with open(done, "w") as f:
-                    f.write(f"{time.time() - t0:.1f}\n")
-            with open(done) as f:
-                wall = float(f.read())
-            record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(read_scalars(rd))}
-            records.append(record)
-            print(f"{record['row']:>28} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
-                  f"{wall:.0f} s", flush=True)
+    runs = [(path, seed) for path in files for seed in args.seeds]
     if args.dry_run:
+        for path, seed in runs:
+            print(" ".join(shlex.quote(a) for a in fit_command(args.rows, path, seed, args.out, extra)))
         return
+    env = dict(os.environ)
+    if args.threads:  # torch reads it at start-up: one setting for every run
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    started = time.time()
+
+    def run(path: str, seed: int) -> dict:
+        rd = run_dir(args.out, row_name(path), seed)
+        done = os.path.join(rd, "done")
+        if args.rerun or not os.path.exists(done):
+            shutil.rmtree(rd, ignore_errors=True)  # a half-finished run starts clean
+            os.makedirs(rd)
+            t0 = time.time()
+            with open(os.path.join(rd, "fit.log"), "w") as log:
+                cmd = fit_command(args.rows, path, seed, args.out, extra)
+                result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            if result.returncode != 0:
+                raise RuntimeError(f"{row_name(path)} seed {seed} failed (exit {result.returncode}); see {rd}/fit.log")
+            with open(done, "w") as f:
+                f.write(f"{time.time() - t0:.1f}\n")
+        with open(done) as f:
+            wall = float(f.read())
+        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(read_scalars(rd))}
+        print(f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
+              f"{wall:.0f} s", flush=True)
+        return record
+
+    # Runs are independent processes; --jobs N runs N at a time (give each --threads of the machine's cores).
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run, path, seed) for path, seed in runs]
+        try:
+            records = [f.result() for f in futures]
+        except RuntimeError as e:
+            pool.shutdown(cancel_futures=True)
+            sys.exit(str(e))
     print(write_outputs(args.out, records, rows))
     print(f"suite wall time: {time.time() - started:.0f} s (this invocation); "
           f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s")
