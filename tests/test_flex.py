@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from aah_lightning.model import masks
+from aah_lightning.model import backends, masks
 from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, balanced_order
 
 from test_banded import random_qkv, reference
@@ -43,16 +43,18 @@ def test_analytic_block_mask_matches_the_mask_mod(T, block):
 
 def test_balanced_order_splits_work_evenly():
     work = [1, 2, 4, 8, 16, 32, 32, 32]  # increasing windows: the contiguous halves carry 15 vs 112
-    order = balanced_order(work)
+    order = balanced_order(work, threads=2)
     assert sorted(order) == list(range(8))
     halves = [sum(work[h] for h in order[:4]), sum(work[h] for h in order[4:])]
     assert abs(halves[0] - halves[1]) <= 0.1 * sum(work)
-    assert balanced_order([5, 5, 5]) == [0, 1, 2]  # equal work keeps the order
+    order3 = balanced_order([9, 1, 1, 9, 5, 5, 1], threads=3)  # rooms of 3, 2, 2 heads
+    assert sorted(order3) == list(range(7))
 
 
-def test_cpu_flex_plan_runs_heads_in_balanced_order():
+def test_cpu_flex_plan_runs_heads_in_balanced_order(monkeypatch):
     T = 1024
     table = torch.tensor([[64, 128, 256, 512, 1024, 1024, 1024, 1024]], dtype=torch.int32)
+    monkeypatch.setattr(backends.torch, "get_num_threads", lambda: 2)
     plan = AttentionPlanner().plans(table, T, "flex")[0]
     assert plan.order is not None and plan.order.tolist() != list(range(8))
     # the BlockMask follows the order: head i of the mask is head order[i] of the layer
@@ -66,17 +68,31 @@ def test_cpu_flex_plan_runs_heads_in_balanced_order():
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+def test_cpu_head_order_only_when_it_helps():
+    T, increasing = 4096, torch.tensor([512, 512, 1024, 2048, 4096, 4096], dtype=torch.int32)
+    assert backends.cpu_head_order(increasing, T, 128, threads=1) is None  # one thread: nothing to balance
+    order = backends.cpu_head_order(increasing, T, 128, threads=2)
+    assert order is not None
+    partial, full = masks.window_tiles(increasing, T, 128)
+    items = (partial | full).sum(-1)
+    assert backends.cpu_makespan(items[order], 2) < 0.8 * backends.cpu_makespan(items, 2)
+    interleaved = torch.tensor([4096, 512, 2048, 4096, 512, 1024], dtype=torch.int32)
+    assert backends.cpu_head_order(interleaved, T, 128, threads=2) is None  # already balanced: no copies
+    assert backends.cpu_head_order(torch.full((6,), 512, dtype=torch.int32), T, 128, threads=2) is None
+
+
 @pytest.mark.heavy
 def test_compiled_flex_balanced_equals_unbalanced_and_reference():
     T = 512
     row = torch.tensor([1, 37, 128, 200, 300, 512, 700, 512], dtype=torch.int32)
     q, k, v = (x.detach() for x in random_qkv(2, 8, T, 16, 1, torch.float32))
-    balanced = AttentionPlanner().plans(row.view(1, -1), T, "flex")[0]
-    assert balanced.order is not None
+    order = torch.tensor(backends.balanced_order([float(min(w, T)) for w in row.tolist()], threads=2))
+    assert order.tolist() != list(range(8))
+    balanced = LayerPlan("flex", masks.window_block_mask(row[order], T), order, torch.argsort(order))
     plain = LayerPlan("flex", masks.window_block_mask(row, T))
     with torch.no_grad():
         a = attend(q, k, v, balanced)
-        b = attend(q.contiguous(), k.contiguous(), v.contiguous(), plain)
+        b = attend(q, k, v, plain)
         ref = reference(*(x.double() for x in (q, k, v)), row)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.double(), ref, atol=2e-5, rtol=2e-5)

@@ -12,7 +12,8 @@ Backends (identical semantics, all derived from ``masks.window_mask_mod``):
 
 On CPU the compiled flex kernel splits ``B * H * q-tiles`` into one contiguous range per thread, so a layer whose
 windows grow with the head index leaves one thread idle most of the time. The CPU flex plan therefore runs the heads
-in a balanced order (``balanced_order``): q, k, v and the BlockMask are permuted, the output is permuted back.
+in a balanced order (``cpu_head_order``) when that shortens the busiest thread's work: q, k, v and the BlockMask are
+permuted, the output is permuted back. The plan assumes batch 1 and the thread count at plan time.
 
 A layer whose heads all have ``W >= T`` (and no document mask) runs plain causal SDPA under every backend: that is
 the same mask, and the fused causal kernels are the fastest way to compute it.
@@ -32,8 +33,9 @@ from aah_lightning.model import banded, masks
 # On CPU, compiled flex pays off for inference only once tiles can be skipped at a useful scale; below this length
 # the dense SDPA mask is faster than the ~10 s compile.
 CPU_FLEX_MIN_SEQ_LEN = 1024
-# CPU training: banded from this length on (measured in tools/bench.py; below it both are a few ms and the dense mask
-# saves the extra kernel launches).
+# CPU training: banded from this length on. Measured fwd+bwd (B=4, H=8, D=64, windows T/8 x4, T/4 x2, T/2, T; one
+# thread): T=128 dense mask 7.9 ms, banded 9.7 ms; T=256 29 vs 22 ms; T=1024 443 vs 194 ms. Below it the dense mask
+# wins because the banded parts are too small to amortise their extra kernel calls.
 CPU_BANDED_MIN_SEQ_LEN = 256
 
 _compiled_flex = None
@@ -95,29 +97,51 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: LayerPlan) -> Tensor:
     if plan.kind == "banded":
         return banded.banded_attention(q, k, v, plan.mask)
     if plan.kind == "flex":
-        if plan.order is None:
-            return compiled_flex_attention()(q, k, v, block_mask=plan.mask)
-        # CPU: always contiguous inputs (index_select), so permuted and identity orders share one compiled graph.
-        q, k, v = (x.index_select(1, plan.order) for x in (q, k, v))
-        return compiled_flex_attention()(q, k, v, block_mask=plan.mask).index_select(1, plan.inverse)
+        if plan.order is not None:
+            q, k, v = (x.index_select(1, plan.order) for x in (q, k, v))
+        elif q.device.type == "cpu":  # same strides as a permuted layer: one compiled graph serves both
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        out = compiled_flex_attention()(q, k, v, block_mask=plan.mask)
+        return out if plan.order is None else out.index_select(1, plan.inverse)
     raise ValueError(f"unknown attention plan {plan.kind!r}")
 
 
-def balanced_order(work: list[float]) -> list[int]:
-    """A head order whose running sum of work stays closest to the straight line from 0 to the total.
+def balanced_order(work: list[float], threads: int) -> list[int]:
+    """A head order for a kernel that hands each of ``threads`` threads one contiguous, equal-length range of heads.
 
-    Any contiguous split of the order into equal head ranges (how the CPU flex kernel hands heads to threads) then
-    gets nearly equal work, whatever the thread count. Greedy: at each position take the head that brings the running
-    sum closest to its target; ties go to the lower head index, so equal work keeps the given order.
+    Longest-processing-time first with equal head counts: heads in decreasing work go to the least loaded thread that
+    still has room (``ceil`` / ``floor`` of H / threads heads), then the threads' heads are concatenated. Ties keep
+    the lower head index first.
     """
-    total, n = float(sum(work)), len(work)
-    left, order, running = list(range(n)), [], 0.0
-    for i in range(n):
-        target = total * (i + 1) / n
-        best = min(left, key=lambda h: (abs(running + work[h] - target), h))
-        left.remove(best)
-        order.append(best)
-        running += work[best]
+    n = len(work)
+    room = [n // threads + (t < n % threads) for t in range(threads)]
+    bins: list[list[int]] = [[] for _ in range(threads)]
+    load = [0.0] * threads
+    for h in sorted(range(n), key=lambda h: (-work[h], h)):
+        t = min((t for t in range(threads) if len(bins[t]) < room[t]), key=lambda t: (load[t], t))
+        bins[t].append(h)
+        load[t] += work[h]
+    return [h for b in bins for h in sorted(b)]
+
+
+def cpu_makespan(tiles_per_item: Tensor, threads: int) -> float:
+    """Work of the busiest thread when the CPU flex kernel splits its ``(head, q-tile)`` items (``[H, n_q]`` tile
+    counts, batch 1) into ``threads`` contiguous ranges of equal length, as ``at::parallel_for`` does."""
+    items = tiles_per_item.reshape(-1).to(torch.float64)
+    chunk = -(-items.numel() // threads)
+    return max(items[t * chunk : (t + 1) * chunk].sum().item() for t in range(threads))
+
+
+def cpu_head_order(windows_row: Tensor, seq_len: int, block_size: int, threads: int) -> list[int] | None:
+    """The balanced head order for the CPU flex kernel, or None when it would not shorten the busiest thread's work
+    by at least 5 % for ``threads`` threads at batch 1 (the permutation costs four copies of q, k, v, out)."""
+    if threads < 2:
+        return None
+    partial, full = masks.window_tiles(windows_row, seq_len, block_size)
+    per_item = (partial | full).sum(-1)  # [H, n_q]: tiles each (head, q-tile) item visits
+    order = balanced_order(per_item.sum(-1).tolist(), threads)
+    if cpu_makespan(per_item[order], threads) > 0.95 * cpu_makespan(per_item, threads):
+        return None
     return order
 
 
@@ -157,7 +181,7 @@ class AttentionPlanner:
             elif doc_ids is not None:  # depends on the batch: built every call, never cached
                 plans.append(self._build(backend, row, seq_len, device, doc_ids))
             else:
-                key = (backend, row, seq_len, device)
+                key = (backend, row, seq_len, device, torch.get_num_threads())  # CPU flex plans depend on threads
                 if key not in self._cache:
                     self._cache[key] = self._build(backend, row, seq_len, device, None)
                 plans.append(self._cache[key])
@@ -169,16 +193,16 @@ class AttentionPlanner:
         row_t = torch.tensor(row, dtype=torch.int32, device=device)
         if backend == "flex":
             if doc_ids is None and device.type == "cpu":
-                partial, full = masks.window_tiles(row_t, seq_len, self.block_size)
-                work = (partial | full).sum((-2, -1)).tolist()
-                order = torch.tensor(balanced_order(work), device=device)
-                block_mask = masks.window_block_mask(row_t[order], seq_len, self.block_size)
-                return LayerPlan("flex", block_mask, order, torch.argsort(order))
+                order = cpu_head_order(row_t, seq_len, self.block_size, torch.get_num_threads())
+                if order is not None:
+                    order = torch.tensor(order, device=device)
+                    block_mask = masks.window_block_mask(row_t[order], seq_len, self.block_size)
+                    return LayerPlan("flex", block_mask, order, torch.argsort(order))
             if doc_ids is None:
                 return LayerPlan("flex", masks.window_block_mask(row_t, seq_len, self.block_size))
             return LayerPlan("flex", masks.document_block_mask(row_t, doc_ids, self.block_size))
         if backend == "banded":
-            return LayerPlan("banded", banded.build_plan(row_t, seq_len, doc_ids))
+            return LayerPlan("banded", banded.build_plan(row, seq_len, doc_ids, device))
         if backend == "sdpa":
             mask_mod = masks.window_mask_mod(row_t, doc_ids)
             batch = 1 if doc_ids is None else doc_ids.shape[0]

@@ -104,13 +104,18 @@ def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Te
     return mask_mod(b, h, q_idx, kv_idx).expand(shape).contiguous()
 
 
-def build_plan(windows_row: Tensor, seq_len: int, doc_ids: Tensor | None = None) -> BandedPlan:
-    """Group a layer's heads by window and evaluate the masks from the mask_mod. Reads the row on the host: call at
-    plan-building time (control steps), not per step. With ``doc_ids [B, T]`` the masks are per batch element."""
-    device = windows_row.device
-    row = [min(int(w), seq_len) for w in windows_row.tolist()]
+def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=None) -> BandedPlan:
+    """Group a layer's heads by window and evaluate the masks from the mask_mod, on ``device``.
+
+    ``windows_row``: the layer's windows as ints (the planner's host mirror) or a tensor (read on the host). Call at
+    plan-building time (control steps), not per step. With ``doc_ids [B, T]`` the masks are per batch element.
+    """
+    if device is None:
+        device = doc_ids.device if doc_ids is not None else getattr(windows_row, "device", "cpu")
+    windows = [int(w) for w in windows_row]
+    row = [min(w, seq_len) for w in windows]
     order = sorted(range(len(row)), key=lambda h: row[h])
-    mask_mod = window_mask_mod(windows_row, doc_ids)
+    mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids)
     batch = None if doc_ids is None else doc_ids.shape[0]
 
     def pos(start: int, n: int) -> Tensor:

@@ -1,0 +1,413 @@
+"""Do the windows pay? One command, every number side by side (issue 7).
+
+    PYTHONPATH=. python tools/bench.py                  # CPU, fp32, all sections
+    PYTHONPATH=. python tools/bench.py --device cuda    # GPU, bf16, flex forward+backward compiled
+
+Sections:
+  (a) attention forward+backward per backend against full-causal SDPA, at T in {1024, 2048, 4096}, for the paper's
+      window mix (fractions .63/.12/.10/.15 of T/8, T/4, T/2, T over the heads, in increasing head order), next to
+      causal coverage and block density. On CPU flex has no backward: its rows are forward only (inference), for the
+      head order as given and for the planner's balanced order.
+  (b) training-step tokens/s of a small GPT (4 layers, d=256; on CUDA 12 layers, d=768) at T=4096 with AAH windows
+      (ACR ~0.3) against full causal, backend ``auto``.
+  (c) AAH controller overhead at control_interval 50 (the ``adaptive`` policy, if this checkout has one).
+  (d) mask rebuild time for a 12 x 12 window table at T=4096 (flex BlockMasks and banded plans).
+  (e) compiled graphs added after warm-up while window values change (compiled flex).
+
+Times are wall-clock medians over ``--repeats`` runs after warm-up, with the [min, max] spread. The machine may be
+shared: compare numbers from one run, and rerun on a quiet machine before recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+
+from aah_lightning.aah import metrics
+from aah_lightning.model import banded, masks
+from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, compiled_flex_attention
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
+
+PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------------
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU time of all threads; steadier on a busy machine)
+
+
+def timeit(fn, device, repeats: int, warmup: int = 1) -> list[float]:
+    """Times of ``fn()`` in ms, on ``CLOCK``."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = CLOCK()
+        fn()
+        sync(device)
+        times.append((CLOCK() - start) * 1e3)
+    return times
+
+
+def fmt(times: list[float]) -> str:
+    med = statistics.median(times)
+    return f"{med:.1f} [{min(times):.1f}, {max(times):.1f}]" if len(times) > 1 else f"{med:.1f}"
+
+
+def med(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def window_mix(seq_len: int, heads: int, shares=PAPER_MIX) -> torch.Tensor:
+    """A window row with the given shares of T/8, T/4, T/2, T (largest-remainder rounding), in increasing order."""
+    cands = [seq_len // 8, seq_len // 4, seq_len // 2, seq_len]
+    exact = [s * heads for s in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: heads - sum(counts)]:
+        counts[i] += 1
+    return torch.tensor([c for c, n in zip(cands, counts) for _ in range(n)], dtype=torch.int32)
+
+
+def md_table(title: str, header: list[str], rows: list[list]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def emit(text: str) -> None:
+    print(text, flush=True)
+
+
+# -- (a) attention kernels -------------------------------------------------------------------------------------------
+def section_a(args, device, dtype) -> str:
+    rows_train, rows_infer = [], []
+    H, D, B = args.heads, 64, args.batch
+    for T in args.seq_lens:
+        row = window_mix(T, H)
+        full_row = torch.full((H,), T, dtype=torch.int32)
+        cov = metrics.causal_coverage(row, T).item()
+        dens = metrics.block_density(row, T, 128).item()
+        band_work = sum(banded.band_pairs(int(w), T) for w in row) / (H * T * (T + 1) / 2)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D, generator=g).to(device, dtype) for _ in range(3))
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+        def fwd_bwd(plan):
+            def run():
+                out = attend(qg, kg, vg, plan)
+                out.backward(torch.ones_like(out))
+                qg.grad = kg.grad = vg.grad = None
+
+            return run
+
+        planner = AttentionPlanner()
+        causal = timeit(fwd_bwd(LayerPlan("causal")), device, args.repeats)
+        results = {"sdpa causal": causal}
+        backends = ["banded", "sdpa"] + (["flex"] if device.type == "cuda" else [])
+        for name in backends:
+            plan = planner.plans(row.view(1, -1).to(device), T, name)[0]
+            results[name] = timeit(fwd_bwd(plan), device, args.repeats, warmup=2 if name == "flex" else 1)
+        if device.type == "cuda":
+            flex_causal = LayerPlan("flex", masks.window_block_mask(full_row.to(device), T))
+            results["flex causal"] = timeit(fwd_bwd(flex_causal), device, args.repeats, warmup=2)
+        c = med(causal)
+        for name, times in results.items():
+            ratio = med(times) / c
+            rows_train.append(
+                [T, name, fmt(times), f"{ratio:.3f}", f"{cov:.3f}", f"{dens:.3f}", f"{band_work:.3f}",
+                 f"{ratio / cov:.2f}"]
+            )
+
+        # Inference (forward only): compiled flex tracks block density, whatever the head order.
+        with torch.no_grad():
+            sdpa_fwd = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, args.repeats)
+            flex_full = LayerPlan("flex", masks.window_block_mask(full_row.to(device), T))
+            as_given = LayerPlan("flex", masks.window_block_mask(row.to(device), T))
+            planned = AttentionPlanner().plans(row.view(1, -1).to(device), T, "flex")[0]
+            qc, kc, vc = (x.contiguous() for x in (q, k, v))
+            flex_c = timeit(lambda: attend(qc, kc, vc, flex_full), device, args.repeats, warmup=2)
+            given = timeit(lambda: attend(qc, kc, vc, as_given), device, args.repeats, warmup=2)
+            balanced = timeit(lambda: attend(qc, kc, vc, planned), device, args.repeats, warmup=2)
+        permuted = "permuted" if planned.order is not None else "not permuted"
+        for name, times in [("sdpa causal", sdpa_fwd), ("flex causal", flex_c),
+                            ("flex AAH, increasing head order", given), (f"flex AAH, planner ({permuted})", balanced)]:
+            rows_infer.append(
+                [T, name, fmt(times), f"{med(times) / med(flex_c):.3f}", f"{med(times) / med(sdpa_fwd):.3f}",
+                 f"{dens:.3f}", f"{med(times) / (med(flex_c) * dens):.2f}", f"{med(times) / (med(sdpa_fwd) * dens):.2f}"]
+            )
+    out = md_table(
+        f"(a) attention forward+backward, B={B}, H={H}, D={D}, {dtype}, window mix {PAPER_MIX} of T/8..T",
+        ["T", "backend", "ms median [min, max]", "time / causal", "causal coverage", "block density",
+         "banded pairs / causal", "(time / causal) / coverage"],
+        rows_train,
+    )
+    out += "\n" + md_table(
+        "(a') attention forward only (inference), compiled flex",
+        ["T", "kernel", "ms median [min, max]", "/ flex causal", "/ sdpa causal", "block density",
+         "/ (flex causal x density)", "/ (sdpa causal x density)"],
+        rows_infer,
+    )
+    return out
+
+
+# -- (b) training step ----------------------------------------------------------------------------------------------
+def aah_table(n_layer: int, n_head: int, seq_len: int, target_acr: float = 0.3) -> torch.Tensor:
+    """Windows from {T/8, T/4, T/2, T} with ACR close to ``target_acr``: the paper's mix, shifted towards T/8."""
+    total = n_layer * n_head
+    best = None
+    for full in range(total + 1):  # choose shares (small-heavy) whose mean is closest to the target
+        for half in range(total + 1 - full):
+            for quarter in range(total + 1 - full - half):
+                eighth = total - full - half - quarter
+                acr = (eighth / 8 + quarter / 4 + half / 2 + full) / total
+                score = (abs(acr - target_acr), -eighth)
+                if best is None or score < best[0]:
+                    best = (score, (eighth, quarter, half, full))
+    counts = best[1]
+    ws = [w for w, n in zip([seq_len // 8, seq_len // 4, seq_len // 2, seq_len], counts) for _ in range(n)]
+    # deal the windows round-robin over layers so every layer gets a mix
+    table = torch.empty(n_layer, n_head, dtype=torch.int32)
+    for i, w in enumerate(ws):
+        table.view(-1)[(i % n_layer) * n_head + i // n_layer] = w
+    return table
+
+
+def train_steps(model: GPT, tokens: torch.Tensor, device, dtype, repeats: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step():
+        with autocast:
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timeit(step, device, repeats, warmup=2)
+
+
+def small_model(device, seq_len: int, backend: str = "auto") -> GPT:
+    if device.type == "cuda":
+        cfg = GPTConfig(vocab_size=50304, seq_len=seq_len, n_layer=12, n_head=12, n_embd=768, backend=backend)
+    else:
+        cfg = GPTConfig(vocab_size=257, seq_len=seq_len, n_layer=4, n_head=4, n_embd=256, backend=backend)
+    torch.manual_seed(0)
+    return GPT(cfg).to(device)
+
+
+def section_b(args, device, dtype) -> tuple[str, float]:
+    T = args.train_seq_len
+    model = small_model(device, T)
+    B = args.train_batch
+    tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), device=device)
+    aah = aah_table(model.cfg.n_layer, model.cfg.n_head, T)
+    acr, cov = metrics.acr(aah, T).item(), metrics.causal_coverage(aah, T).item()
+    runs = [("full causal", None, "auto"), ("AAH", aah, "auto")]
+    if device.type == "cpu":
+        runs.append(("AAH, dense mask (sdpa)", aah, "sdpa"))
+    rows, base, aah_ms = [], None, None
+    for name, windows, backend in runs:
+        model.cfg.backend = backend
+        model.set_windows(windows if windows is not None else torch.full_like(aah, T))
+        times = train_steps(model, tokens, device, dtype, args.train_repeats)
+        tok_s = [B * T / (t / 1e3) for t in times]
+        base = base or med(tok_s)
+        if name == "AAH":
+            aah_ms = med(times)
+        kinds = sorted({p.kind for p in model.attention_plans(T)})
+        rows.append([name, backend + " -> " + "/".join(kinds), fmt(times), f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]",
+                     f"{med(tok_s) / base:.2f}"])
+    model.cfg.backend = "auto"
+    n_params = model.num_params() / 1e6
+    title = (f"(b) training step (fwd+bwd+AdamW), {model.cfg.n_layer} layers, d={model.cfg.n_embd}, "
+             f"{model.cfg.n_head} heads, {n_params:.1f}M params, B={B}, T={T}, {dtype}; AAH table ACR {acr:.3f}, "
+             f"causal coverage {cov:.3f}")
+    return md_table(title, ["windows", "backend -> plans", "step ms median [min, max]", "tokens/s", "vs full causal"], rows), aah_ms
+
+
+# -- (c) controller overhead -----------------------------------------------------------------------------------------
+def section_c(args, device, dtype, step_ms: float | None) -> str:
+    title = "(c) controller overhead, control_interval 50"
+    try:
+        import aah_lightning.aah.controller  # noqa: F401
+        from aah_lightning.aah.config import AAHConfig
+        from aah_lightning.aah.policies import POLICIES, make_policy
+    except ImportError:
+        return f"### {title}\n\nn/a (controller not available)\n"
+    if "adaptive" not in POLICIES:
+        return f"### {title}\n\nn/a (controller not available: no 'adaptive' policy registered)\n"
+    try:
+        T = args.train_seq_len
+        model = small_model(device, T)
+        names = {f.name for f in fields(AAHConfig)}
+        settings = {"policy": "adaptive"}
+        for key, value in (("control_interval", 50), ("warmup_steps", 0)):
+            if key in names:
+                settings[key] = value
+        policy = make_policy(AAHConfig(**settings), model.cfg.n_layer, model.cfg.n_head, T)
+        tokens = torch.randint(model.cfg.vocab_size, (args.train_batch, T + 1), device=device)
+        batch = {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
+        if step_ms is None:
+            step_ms = med(train_steps(model, tokens, device, dtype, 2))
+        model.train()
+        per_step, control = [], []
+        for step in range(1, 151):
+            start = time.perf_counter()
+            table = policy.on_train_step(step, model, batch)
+            if table is not None:
+                model.set_windows(table)
+            model.attention_plans(T)  # mask rebuild, when the table changed, belongs to the control cost
+            sync(device)
+            ms = (time.perf_counter() - start) * 1e3
+            (control if step % 50 == 0 else per_step).append(ms)
+        per_interval = sum(control) / max(1, len(control)) + 49 * statistics.mean(per_step)
+        overhead = per_interval / (50 * step_ms)
+        rows = [[fmt(control), f"{statistics.mean(per_step):.3f}", f"{step_ms:.0f}", f"{100 * overhead:.2f} %"]]
+        return md_table(title + f" (settings {settings})",
+                     ["control step ms", "other steps ms (mean)", "training step ms", "overhead per interval"], rows)
+    except Exception as err:  # the controller is being written in parallel: report, don't crash the bench
+        return f"### {title}\n\nn/a (controller failed: {type(err).__name__}: {err})\n"
+
+
+# -- (d) mask rebuild -------------------------------------------------------------------------------------------------
+def section_d(args, device) -> str:
+    T, L, H = 4096, 12, 12
+    g = torch.Generator().manual_seed(0)
+    cands = torch.tensor([T // 8, T // 4, T // 2, T], dtype=torch.int32)
+    tables = [cands[torch.randint(4, (L, H), generator=g)].to(device) for _ in range(args.repeats + 1)]
+    rows = []
+    for backend in ("flex", "banded"):
+        planner = AttentionPlanner()
+        times = []
+        for table in tables:
+            start = time.perf_counter()
+            planner.plans(table, T, backend)
+            sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        rows.append([backend, fmt(times[1:])])
+    return md_table(f"(d) mask rebuild, {L} layers x {H} heads, T={T}, all rows changed (planner, incl. table read)",
+                 ["plans", "ms median [min, max]"], rows)
+
+
+# -- (e) recompiles --------------------------------------------------------------------------------------------------
+def section_e(args, device, dtype) -> str:
+    from torch._dynamo.utils import counters
+
+    T = args.recompile_seq_len
+    model = small_model(device, T)
+    tokens = torch.randint(model.cfg.vocab_size, (1, T), device=device)
+    g = torch.Generator().manual_seed(1)
+    cands = torch.tensor([T // 8, T // 4, T // 2, T], dtype=torch.int32)
+    train = device.type == "cuda"  # flex trains only on CUDA; on CPU compiled flex serves inference
+
+    def run():
+        if train:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                model(tokens).float().sum().backward()
+        else:
+            with torch.no_grad():
+                model(tokens)
+        sync(device)
+
+    model.set_windows(cands[torch.randint(4, model.windows.shape, generator=g)])
+    model.windows[0, 0] = T // 8  # at least one windowed layer: flex runs
+    run()
+    run()
+    before = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+    changes = 5
+    for _ in range(changes):
+        table = cands[torch.randint(4, model.windows.shape, generator=g)]
+        table[0, 0] = T // 8
+        model.set_windows(table)
+        run()
+    after = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+    with torch.set_grad_enabled(train):
+        kinds = sorted({p.kind for p in model.attention_plans(T)})
+    rows = [[f"{'fwd+bwd' if train else 'forward (no_grad)'}, T={T}", changes, "/".join(kinds),
+             after[0] - before[0], after[1] - before[1]]]
+    return md_table("(e) recompiles after warm-up while the window values change",
+                 ["run", "window changes", "plans", "new graphs", "new compiled frames"], rows)
+
+
+# -- main ------------------------------------------------------------------------------------------------------------
+def machine(device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"clock {'CPU time' if CLOCK is time.process_time else 'wall'}")
+    if device.type == "cuda":
+        text += f", {torch.cuda.get_device_name(device)}"
+    try:
+        text += f", load average {os.getloadavg()[0]:.2f} at start"
+    except OSError:
+        pass
+    return text
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier")
+    p.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ad'")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--heads", type=int, default=20, help="(a): 20 heads give the paper's mix 13/2/2/3")
+    p.add_argument("--batch", type=int, default=None, help="(a) batch; default 1 on CPU, 8 on CUDA")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--train-seq-len", type=int, default=4096)
+    p.add_argument("--train-batch", type=int, default=None, help="(b) batch; default 1 on CPU, 8 on CUDA")
+    p.add_argument("--train-repeats", type=int, default=5)
+    p.add_argument("--recompile-seq-len", type=int, default=1024)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)  # before anything compiles: a thread change recompiles
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.batch = args.batch or (8 if device.type == "cuda" else 1)
+    args.train_batch = args.train_batch or (8 if device.type == "cuda" else 1)
+
+    command = "PYTHONPATH=. python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    emit(f"## aah benchmark, {datetime.datetime.now().isoformat(timespec='minutes')}\n")
+    emit(f"command: `{command}`\n\nmachine: {machine(device)}\n")
+    compiled_flex_attention()
+    step_ms = None
+    if "a" in args.sections:
+        emit(section_a(args, device, dtype))
+    if "b" in args.sections:
+        text, step_ms = section_b(args, device, dtype)
+        emit(text)
+    if "c" in args.sections:
+        emit(section_c(args, device, dtype, step_ms))
+    if "d" in args.sections:
+        emit(section_d(args, device))
+    if "e" in args.sections:
+        emit(section_e(args, device, dtype))
+    emit(f"command: `{command}`")
+
+
+if __name__ == "__main__":
+    main()
