@@ -28,7 +28,6 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,12 @@ from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
+SUMMARY: list[list] = []  # [target, measured, verdict] rows, filled by the sections
+
+
+def check(target: str, value: float, limit: float, text: str, higher_is_better: bool = False) -> None:
+    ok = value >= limit if higher_is_better else value <= limit
+    SUMMARY.append([target, text, "met" if ok else "MISSED"])
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------------
@@ -131,8 +136,16 @@ def section_a(args, device, dtype) -> str:
             ratio = med(times) / c
             rows_train.append(
                 [T, name, fmt(times), f"{ratio:.3f}", f"{cov:.3f}", f"{dens:.3f}", f"{band_work:.3f}",
-                 f"{ratio / cov:.2f}"]
+                 "-" if name == "sdpa causal" else f"{ratio / cov:.2f}"]
             )
+        if T == max(args.seq_lens):
+            r = med(results["banded"]) / c / cov
+            check(f"(a) banded fwd+bwd / sdpa causal <= 1.5 x coverage, T={T}", r, 1.5, f"{r:.2f} x coverage")
+            if device.type == "cuda":
+                r = med(results["flex"]) / (med(results["flex causal"]) * dens)
+                r2 = med(results["flex"]) / (c * dens)
+                check(f"(a) CUDA flex fwd+bwd <= 1.3 x causal x block density, T={T}", max(r, r2), 1.3,
+                      f"{r:.2f} x (flex causal x density), {r2:.2f} x (sdpa causal x density)")
 
         # Inference (forward only): compiled flex tracks block density, whatever the head order.
         with torch.no_grad():
@@ -145,6 +158,11 @@ def section_a(args, device, dtype) -> str:
             given = timeit(lambda: attend(qc, kc, vc, as_given), device, args.repeats, warmup=2)
             balanced = timeit(lambda: attend(qc, kc, vc, planned), device, args.repeats, warmup=2)
         permuted = "permuted" if planned.order is not None else "not permuted"
+        if T == max(args.seq_lens) and device.type == "cpu":
+            for name, times in (("increasing head order", given), ("planner order", balanced)):
+                r, r2 = med(times) / (med(flex_c) * dens), med(times) / (med(sdpa_fwd) * dens)
+                check(f"(a') CPU compiled flex inference <= 1.15 x causal x block density, {name}, T={T}", r, 1.15,
+                      f"{r:.2f} x (flex causal x density); {r2:.2f} x (sdpa causal x density)")
         for name, times in [("sdpa causal", sdpa_fwd), ("flex causal", flex_c),
                             ("flex AAH, increasing head order", given), (f"flex AAH, planner ({permuted})", balanced)]:
             rows_infer.append(
@@ -231,6 +249,10 @@ def section_b(args, device, dtype) -> tuple[str, float]:
         base = base or med(tok_s)
         if name == "AAH":
             aah_ms = med(times)
+            speedup = med(tok_s) / base
+            goal = 1.15 if device.type == "cuda" else 1.3
+            check(f"(b) AAH tokens/s >= {goal} x full causal, T={T}", speedup, goal, f"{speedup:.2f} x",
+                  higher_is_better=True)
         kinds = sorted({p.kind for p in model.attention_plans(T)})
         rows.append([name, backend + " -> " + "/".join(kinds), fmt(times), f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]",
                      f"{med(tok_s) / base:.2f}"])
@@ -256,12 +278,14 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
     try:
         T = args.train_seq_len
         model = small_model(device, T)
-        names = {f.name for f in fields(AAHConfig)}
-        settings = {"policy": "adaptive"}
+        cfg = AAHConfig(policy="adaptive")
+        knobs = getattr(cfg, "controller", cfg)  # schedule settings live in AAHConfig.controller (or AAHConfig)
+        settings = {}
         for key, value in (("control_interval", 50), ("warmup_steps", 0)):
-            if key in names:
+            if hasattr(knobs, key):
+                setattr(knobs, key, value)
                 settings[key] = value
-        policy = make_policy(AAHConfig(**settings), model.cfg.n_layer, model.cfg.n_head, T)
+        policy = make_policy(cfg, model.cfg.n_layer, model.cfg.n_head, T)
         tokens = torch.randint(model.cfg.vocab_size, (args.train_batch, T + 1), device=device)
         batch = {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
         if step_ms is None:
@@ -279,6 +303,7 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
             (control if step % 50 == 0 else per_step).append(ms)
         per_interval = sum(control) / max(1, len(control)) + 49 * statistics.mean(per_step)
         overhead = per_interval / (50 * step_ms)
+        check("(c) controller overhead <= 3 %", 100 * overhead, 3.0, f"{100 * overhead:.2f} %")
         rows = [[fmt(control), f"{statistics.mean(per_step):.3f}", f"{step_ms:.0f}", f"{100 * overhead:.2f} %"]]
         return md_table(title + f" (settings {settings})",
                      ["control step ms", "other steps ms (mean)", "training step ms", "overhead per interval"], rows)
@@ -302,6 +327,8 @@ def section_d(args, device) -> str:
             sync(device)
             times.append((time.perf_counter() - start) * 1e3)
         rows.append([backend, fmt(times[1:])])
+        check(f"(d) rebuild of {L} x {H} {backend} plans at T={T} <= 50 ms", med(times[1:]), 50.0,
+              f"{med(times[1:]):.1f} ms")
     return md_table(f"(d) mask rebuild, {L} layers x {H} heads, T={T}, all rows changed (planner, incl. table read)",
                  ["plans", "ms median [min, max]"], rows)
 
@@ -311,7 +338,7 @@ def section_e(args, device, dtype) -> str:
     from torch._dynamo.utils import counters
 
     T = args.recompile_seq_len
-    model = small_model(device, T)
+    model = small_model(device, T, backend="flex")
     tokens = torch.randint(model.cfg.vocab_size, (1, T), device=device)
     g = torch.Generator().manual_seed(1)
     cands = torch.tensor([T // 8, T // 4, T // 2, T], dtype=torch.int32)
@@ -340,6 +367,8 @@ def section_e(args, device, dtype) -> str:
     after = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
     with torch.set_grad_enabled(train):
         kinds = sorted({p.kind for p in model.attention_plans(T)})
+    check("(e) recompiles after warm-up == 0", after[0] - before[0] + after[1] - before[1], 0,
+          f"{after[0] - before[0]} graphs, {after[1] - before[1]} frames")
     rows = [[f"{'fwd+bwd' if train else 'forward (no_grad)'}, T={T}", changes, "/".join(kinds),
              after[0] - before[0], after[1] - before[1]]]
     return md_table("(e) recompiles after warm-up while the window values change",
@@ -406,6 +435,8 @@ def main(argv=None) -> None:
         emit(section_d(args, device))
     if "e" in args.sections:
         emit(section_e(args, device, dtype))
+    if SUMMARY:
+        emit(md_table("targets (issue 7)", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")
 
 
