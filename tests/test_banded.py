@@ -1,21 +1,11 @@
 """The banded backend against a float64 reference built from the mask_mod, forward and backward."""
 
-import math
-
 import pytest
 import torch
 
-from aah_lightning.model import banded, masks
+from aah_lightning.model import banded
 from aah_lightning.model.backends import AttentionPlanner, attend, resolve_backend
-
-
-def reference(q, k, v, windows_row, doc_ids=None):
-    """Explicit softmax over the dense mask of the mask_mod."""
-    B, H, T, D = q.shape
-    allowed = masks.dense_mask(masks.window_mask_mod(windows_row, doc_ids), B, H, T, q.device)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+from reference import random_windows, reference_attention
 
 
 def random_qkv(B, H, T, D, seed, dtype=torch.float64):
@@ -24,9 +14,12 @@ def random_qkv(B, H, T, D, seed, dtype=torch.float64):
 
 
 def random_row(H, T, seed):
+    """The shared reference's windows plus ones around the banded chunking (W = T/3, T - 1, 37, 130)."""
     g = torch.Generator().manual_seed(seed)
-    choices = torch.tensor(sorted({1, 2, 3, max(1, T // 3), max(1, T - 1), T, T + 5, 37, 64, 130}))
-    return choices[torch.randint(len(choices), (H,), generator=g)].to(torch.int32)
+    extra = torch.tensor([max(1, T // 3), max(1, T - 1), 37, 130], dtype=torch.int32)
+    row = random_windows(H, T, g)
+    pick = torch.rand(H, generator=g) < 0.4
+    return torch.where(pick, extra[torch.randint(len(extra), (H,), generator=g)], row)
 
 
 def check(q, k, v, row, doc_ids=None, tol=1e-10):
@@ -35,7 +28,7 @@ def check(q, k, v, row, doc_ids=None, tol=1e-10):
     out = banded.banded_attention(q, k, v, plan)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
-    ref = reference(q, k, v, row, doc_ids)
+    ref = reference_attention(q, k, v, row, doc_ids)
     want = torch.autograd.grad(ref, (q, k, v), grad)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     for name, a, b in zip("qkv", got, want):
@@ -67,7 +60,7 @@ def test_float32_matches_float64_reference():
     q, k, v = random_qkv(1, 4, 384, 32, 1, torch.float32)
     row = torch.tensor([48, 384, 130, 200], dtype=torch.int32)
     out = banded.banded_attention(q, k, v, banded.build_plan(row, 384))
-    ref = reference(*(x.double() for x in (q, k, v)), row)
+    ref = reference_attention(q, k, v, row)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -87,7 +80,7 @@ def test_changing_windows_changes_results():
     table.copy_(torch.tensor([[16, 260, 100]]))
     after = attend(q, k, v, planner.plans(table, 260, "banded")[0])
     assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, reference(q, k, v, table[0]))
+    torch.testing.assert_close(after, reference_attention(q, k, v, table[0]))
     torch.testing.assert_close(before[:, 1], after[:, 1])  # the unchanged head
 
 
@@ -111,7 +104,7 @@ def test_auto_picks_a_backend_that_runs():
         plan = AttentionPlanner().plans(table, T, name)[0]
         out = attend(*(x[:, :, :T] for x in (q, k, v)), plan)
         out.sum().backward()
-        torch.testing.assert_close(out, reference(*(x[:, :, :T] for x in (q, k, v)), table[0]))
+        torch.testing.assert_close(out, reference_attention(*(x[:, :, :T] for x in (q, k, v)), table[0]))
 
 
 @pytest.mark.parametrize("document_mask", [False, True])

@@ -2,43 +2,31 @@
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aah_lightning.model import backends, masks
 from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, balanced_order
 
-from test_banded import random_qkv, reference
+from reference import reference_attention
+from test_banded import random_qkv
 
 
-def dense_tiles(indices, counts, n_cols):
-    """Ordered (count, index) tile lists -> bool [..., rows, n_cols]."""
-    rows = torch.zeros(*indices.shape[:-1], n_cols, dtype=torch.bool)
-    keep = torch.arange(indices.shape[-1]) < counts.unsqueeze(-1)
-    return rows.scatter(-1, indices.long(), keep) if keep.any() else rows
-
-
-@pytest.mark.parametrize("T,block", [(1, 128), (100, 128), (512, 128), (700, 128), (700, 64), (1024, 256)])
-def test_analytic_block_mask_matches_the_mask_mod(T, block):
+@pytest.mark.parametrize("T,block", [(1, 128), (100, 128), (700, 128), (700, 64), (1024, 256)])
+def test_analytic_block_mask_backward_orientation_matches_torch(T, block):
+    """q tiles per kv tile (what the backward reads) equal torch's own transpose of the kv tiles; the kv side is
+    checked against the mask_mod in test_masks.py."""
     row = torch.tensor([1, 64, 127, 128, 129, 300, T, T + 50], dtype=torch.int32)
-    got = masks.window_block_mask(row, T, block)
-    want = create_block_mask(masks.window_mask_mod(row), 1, len(row), T, T, device="cpu", BLOCK_SIZE=block)
-    n = -(-T // block)
-    tiles = {}
-    for name, bm in (("got", got), ("want", want)):
-        for field in ("kv", "full_kv", "q", "full_q"):
-            tiles[name, field] = dense_tiles(getattr(bm, f"{field}_indices"), getattr(bm, f"{field}_num_blocks"), n)
-    # the same non-empty tiles as create_block_mask, both orientations consistent
-    assert torch.equal(tiles["got", "kv"] | tiles["got", "full_kv"], tiles["want", "kv"] | tiles["want", "full_kv"])
-    assert torch.equal(tiles["got", "q"], tiles["got", "kv"].transpose(-1, -2))
-    assert torch.equal(tiles["got", "full_q"], tiles["got", "full_kv"].transpose(-1, -2))
-    # create_block_mask also counts padded query rows, so it may call a tile partial that is full over real rows
-    assert not (tiles["want", "full_kv"] & ~tiles["got", "full_kv"]).any()
-    # every tile called full is full over the real (q, kv) pairs, so skipping the mask_mod there is exact
-    allowed = masks.dense_mask(masks.window_mask_mod(row), 1, len(row), T, "cpu")
-    pad = n * block - T
-    padded = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=True)[..., :, :T + pad]
-    all_allowed = padded.view(1, len(row), n, block, n, block).all(5).all(3)
-    assert not (tiles["got", "full_kv"] & ~all_allowed).any()
+    ours = masks.window_block_mask(row, T, block)
+    torchs = BlockMask.from_kv_blocks(
+        ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices, BLOCK_SIZE=block,
+        mask_mod=ours.mask_mod, seq_lengths=(T, T),
+    )
+    for field in ("q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, field), getattr(torchs, field)), field
+    for field, count in (("q_indices", "q_num_blocks"), ("full_q_indices", "full_q_num_blocks")):
+        n = getattr(ours, count).unsqueeze(-1)
+        keep = torch.arange(getattr(ours, field).shape[-1]) < n  # only the listed entries are meaningful
+        assert torch.equal(getattr(ours, field)[keep], getattr(torchs, field)[keep]), field
 
 
 def test_balanced_order_splits_work_evenly():
@@ -64,7 +52,7 @@ def test_cpu_flex_plan_runs_heads_in_balanced_order(monkeypatch):
     with torch.no_grad():
         perm = [x.index_select(1, plan.order) for x in (q, k, v)]
         out = flex_attention(*perm, block_mask=plan.mask).index_select(1, plan.inverse)
-        ref = reference(*(x.double() for x in (q, k, v)), table[0])
+        ref = reference_attention(q, k, v, table[0])
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -93,6 +81,6 @@ def test_compiled_flex_balanced_equals_unbalanced_and_reference():
     with torch.no_grad():
         a = attend(q, k, v, balanced)
         b = attend(q, k, v, plain)
-        ref = reference(*(x.double() for x in (q, k, v)), row)
+        ref = reference_attention(q, k, v, row)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.double(), ref, atol=2e-5, rtol=2e-5)
