@@ -56,17 +56,20 @@ def sync(device):
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU time of all threads; steadier on a busy machine)
 
 
-def timeit(fn, device, repeats: int, warmup: int = 1) -> list[float]:
-    """Times of ``fn()`` in ms, on ``CLOCK``."""
-    for _ in range(warmup):
-        fn()
+def timeit(fns: dict, device, repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Times in ms of each ``fns[name]()`` on ``CLOCK``, interleaved (one call of each per round), so that a change in
+    machine load hits every variant alike and their ratios stay fair."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     sync(device)
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = CLOCK()
-        fn()
-        sync(device)
-        times.append((CLOCK() - start) * 1e3)
+        for name, fn in fns.items():
+            start = CLOCK()
+            fn()
+            sync(device)
+            times[name].append((CLOCK() - start) * 1e3)
     return times
 
 
@@ -122,15 +125,13 @@ def section_a(args, device, dtype) -> str:
             return run
 
         planner = AttentionPlanner()
-        causal = timeit(fwd_bwd(LayerPlan("causal")), device, args.repeats)
-        results = {"sdpa causal": causal}
-        backends = ["banded", "sdpa"] + (["flex"] if device.type == "cuda" else [])
-        for name in backends:
-            plan = planner.plans(row.view(1, -1).to(device), T, name)[0]
-            results[name] = timeit(fwd_bwd(plan), device, args.repeats, warmup=2 if name == "flex" else 1)
+        fns = {"sdpa causal": fwd_bwd(LayerPlan("causal"))}
+        for name in ["banded", "sdpa"] + (["flex"] if device.type == "cuda" else []):
+            fns[name] = fwd_bwd(planner.plans(row.view(1, -1).to(device), T, name)[0])
         if device.type == "cuda":
-            flex_causal = LayerPlan("flex", masks.window_block_mask(full_row.to(device), T))
-            results["flex causal"] = timeit(fwd_bwd(flex_causal), device, args.repeats, warmup=2)
+            fns["flex causal"] = fwd_bwd(LayerPlan("flex", masks.window_block_mask(full_row.to(device), T)))
+        results = timeit(fns, device, args.repeats)
+        causal = results["sdpa causal"]
         c = med(causal)
         for name, times in results.items():
             ratio = med(times) / c
@@ -149,16 +150,25 @@ def section_a(args, device, dtype) -> str:
 
         # Inference (forward only): compiled flex tracks block density, whatever the head order.
         with torch.no_grad():
-            sdpa_fwd = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, args.repeats)
             flex_full = LayerPlan("flex", masks.window_block_mask(full_row.to(device), T))
             as_given = LayerPlan("flex", masks.window_block_mask(row.to(device), T))
             planned = AttentionPlanner().plans(row.view(1, -1).to(device), T, "flex")[0]
-            qc, kc, vc = (x.contiguous() for x in (q, k, v))
-            flex_c = timeit(lambda: attend(qc, kc, vc, flex_full), device, args.repeats, warmup=2)
-            given = timeit(lambda: attend(qc, kc, vc, as_given), device, args.repeats, warmup=2)
-            balanced = timeit(lambda: attend(qc, kc, vc, planned), device, args.repeats, warmup=2)
             band_plan = AttentionPlanner().plans(row.view(1, -1).to(device), T, "banded")[0]
-            band_fwd = timeit(lambda: attend(q, k, v, band_plan), device, args.repeats)
+            qc, kc, vc = (x.contiguous() for x in (q, k, v))
+            fwd = timeit(
+                {
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    "flex causal": lambda: attend(qc, kc, vc, flex_full),
+                    "given": lambda: attend(qc, kc, vc, as_given),
+                    "planned": lambda: attend(qc, kc, vc, planned),
+                    "banded": lambda: attend(q, k, v, band_plan),
+                },
+                device,
+                args.repeats,
+            )
+        sdpa_fwd, flex_c, given, balanced, band_fwd = (
+            fwd[n] for n in ("sdpa", "flex causal", "given", "planned", "banded")
+        )
         permuted = "permuted" if planned.order is not None else "not permuted"
         if T == max(args.seq_lens) and device.type == "cpu":
             for name, times in (("increasing head order", given), ("planner order", balanced)):
@@ -198,7 +208,8 @@ def aah_table(n_layer: int, n_head: int, seq_len: int) -> torch.Tensor:
     return table
 
 
-def train_steps(model: GPT, tokens: torch.Tensor, device, dtype, repeats: int) -> list[float]:
+def train_step(model: GPT, tokens: torch.Tensor, device, dtype):
+    """One optimizer step of ``model`` on ``tokens`` as a closure."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -210,7 +221,7 @@ def train_steps(model: GPT, tokens: torch.Tensor, device, dtype, repeats: int) -
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return timeit(step, device, repeats, warmup=2)
+    return step
 
 
 def small_model(device, seq_len: int, backend: str = "auto") -> GPT:
@@ -223,37 +234,34 @@ def small_model(device, seq_len: int, backend: str = "auto") -> GPT:
 
 
 def section_b(args, device, dtype) -> tuple[str, float]:
-    T = args.train_seq_len
-    model = small_model(device, T)
-    B = args.train_batch
-    tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), device=device)
-    aah = aah_table(model.cfg.n_layer, model.cfg.n_head, T)
-    acr, cov = metrics.acr(aah, T).item(), metrics.causal_coverage(aah, T).item()
-    runs = [("full causal", None, "auto"), ("AAH", aah, "auto")]
+    T, B = args.train_seq_len, args.train_batch
+    runs = {"full causal": (None, "auto"), "AAH": ("aah", "auto")}
     if device.type == "cpu":
-        runs.append(("AAH, dense mask (sdpa)", aah, "sdpa"))
-    rows, base, aah_ms = [], None, None
-    for name, windows, backend in runs:
-        model.cfg.backend = backend
-        model.set_windows(windows if windows is not None else torch.full_like(aah, T))
-        times = train_steps(model, tokens, device, dtype, args.train_repeats)
+        runs["AAH, dense mask (sdpa)"] = ("aah", "sdpa")
+    models, steps = {}, {}
+    for name, (windows, backend) in runs.items():  # one model per variant, same initial weights
+        model = models[name] = small_model(device, T, backend)
+        aah = aah_table(model.cfg.n_layer, model.cfg.n_head, T)
+        model.set_windows(aah if windows else torch.full_like(aah, T))
+        tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+        steps[name] = train_step(model, tokens.to(device), device, dtype)
+    results = timeit(steps, device, args.train_repeats)
+    acr, cov = metrics.acr(aah, T).item(), metrics.causal_coverage(aah, T).item()
+    rows, base = [], med([B * T / (t / 1e3) for t in results["full causal"]])
+    for name, times in results.items():
         tok_s = [B * T / (t / 1e3) for t in times]
-        base = base or med(tok_s)
-        if name == "AAH":
-            aah_ms = med(times)
-            speedup = med(tok_s) / base
-            goal = 1.15 if device.type == "cuda" else 1.3
-            check(f"(b) AAH tokens/s >= {goal} x full causal, T={T}", speedup, goal, f"{speedup:.2f} x",
-                  higher_is_better=True)
-        kinds = sorted({p.kind for p in model.attention_plans(T)})
-        rows.append([name, backend + " -> " + "/".join(kinds), fmt(times), f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]",
-                     f"{med(tok_s) / base:.2f}"])
-    model.cfg.backend = "auto"
-    n_params = model.num_params() / 1e6
-    title = (f"(b) training step (fwd+bwd+AdamW), {model.cfg.n_layer} layers, d={model.cfg.n_embd}, "
-             f"{model.cfg.n_head} heads, {n_params:.1f}M params, B={B}, T={T}, {dtype}; AAH table ACR {acr:.3f}, "
+        kinds = sorted({p.kind for p in models[name].attention_plans(T)})
+        rows.append([name, runs[name][1] + " -> " + "/".join(kinds), fmt(times),
+                     f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]", f"{med(tok_s) / base:.2f}"])
+    speedup = med([B * T / (t / 1e3) for t in results["AAH"]]) / base
+    goal = 1.15 if device.type == "cuda" else 1.3
+    check(f"(b) AAH tokens/s >= {goal} x full causal, T={T}", speedup, goal, f"{speedup:.2f} x", higher_is_better=True)
+    cfg = models["AAH"].cfg
+    title = (f"(b) training step (fwd+bwd+AdamW), {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
+             f"{models['AAH'].num_params() / 1e6:.1f}M params, B={B}, T={T}, {dtype}; AAH table ACR {acr:.3f}, "
              f"causal coverage {cov:.3f}")
-    return md_table(title, ["windows", "backend -> plans", "step ms median [min, max]", "tokens/s", "vs full causal"], rows), aah_ms
+    header = ["windows", "backend -> plans", "step ms median [min, max]", "tokens/s", "vs full causal"]
+    return md_table(title, header, rows), med(results["AAH"])
 
 
 # -- (c) controller overhead -----------------------------------------------------------------------------------------
@@ -281,7 +289,7 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
         tokens = torch.randint(model.cfg.vocab_size, (args.train_batch, T + 1), device=device)
         batch = {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
         if step_ms is None:
-            step_ms = med(train_steps(model, tokens, device, dtype, 2))
+            step_ms = med(timeit({"step": train_step(model, tokens, device, dtype)}, device, 2)["step"])
         model.train()
         per_step, control = [], []
         for step in range(1, 151):

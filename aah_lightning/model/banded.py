@@ -26,6 +26,7 @@ like every document mask.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,38 @@ def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Te
     return mask_mod(b, h, q_idx, kv_idx).expand(shape).contiguous()
 
 
+def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | None, device):
+    """(prefix, body, tail) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions."""
+    w, c, n = _split(window, seq_len)
+    end = w + n * c
+    tail = seq_len - end
+
+    def pos(start: int, count: int) -> Tensor:
+        return torch.arange(start, start + count, device=device)
+
+    prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
+    body = None
+    if n:
+        span = c + w - 1
+        if batch is None:  # the band is the same in every chunk: evaluate it on the first one
+            q_idx, kv_idx = pos(w, c)[:, None], pos(1, span)[None]
+        else:
+            first = torch.arange(n, device=device).view(n, 1, 1) * c
+            q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(1, span).view(1, 1, span)
+        body = _eval_mask(mask_mod, head, batch, q_idx, kv_idx)
+    tail_mask = None
+    if tail:
+        tail_mask = _eval_mask(mask_mod, head, batch, pos(end, tail)[:, None], pos(end - w + 1, tail + w - 1)[None])
+    return prefix, body, tail_mask
+
+
+@functools.lru_cache(maxsize=64)
+def _window_masks(window: int, seq_len: int, device: torch.device):
+    """Masks of a window without documents: they depend on (W, T) only, so layers and rebuilds share them."""
+    mask_mod = window_mask_mod(torch.tensor([window], dtype=torch.int32, device=device))
+    return _group_masks(mask_mod, 0, window, seq_len, None, device)
+
+
 def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=None) -> BandedPlan:
     """Group a layer's heads by window and evaluate the masks from the mask_mod, on ``device``.
 
@@ -112,39 +145,26 @@ def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=
     """
     if device is None:
         device = doc_ids.device if doc_ids is not None else getattr(windows_row, "device", "cpu")
+    device = torch.device(device)
     windows = [int(w) for w in windows_row]
     row = [min(w, seq_len) for w in windows]
     order = sorted(range(len(row)), key=lambda h: row[h])
-    mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids)
-    batch = None if doc_ids is None else doc_ids.shape[0]
-
-    def pos(start: int, n: int) -> Tensor:
-        return torch.arange(start, start + n, device=device)
-
+    if doc_ids is not None:
+        mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids)
     groups, start = [], 0
     while start < len(order):
         head = order[start]  # any head of the group stands for all: they share the window
         stop = start
         while stop < len(order) and row[order[stop]] == row[head]:
             stop += 1
-        w, c, n = _split(row[head], seq_len)
-        end = w + n * c
-        tail = seq_len - end
-        prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
-        body = None
-        if n:
-            span = c + w - 1
-            if batch is None:  # the band is the same in every chunk: evaluate it on the first one
-                q_idx, kv_idx = pos(w, c)[:, None], pos(1, span)[None]
-            else:
-                first = torch.arange(n, device=device).view(n, 1, 1) * c
-                q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(1, span).view(1, 1, span)
-            body = _eval_mask(mask_mod, head, batch, q_idx, kv_idx)
-        tail_mask = None
-        if tail:
-            tail_mask = _eval_mask(mask_mod, head, batch, pos(end, tail)[:, None], pos(end - w + 1, tail + w - 1)[None])
-        groups.append(HeadGroup(start, stop, w, c, prefix, body, tail_mask))
+        w, c, _ = _split(row[head], seq_len)
+        if doc_ids is None:
+            masks = _window_masks(w, seq_len, device)
+        else:
+            masks = _group_masks(mask_mod, head, w, seq_len, doc_ids.shape[0], device)
+        groups.append(HeadGroup(start, stop, w, c, *masks))
         start = stop
+    batch = None if doc_ids is None else doc_ids.shape[0]
     if order == sorted(order):
         return BandedPlan(seq_len, tuple(groups), None, None, batch)
     perm = torch.tensor(order, device=device)
