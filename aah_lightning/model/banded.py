@@ -5,23 +5,27 @@ FlexAttention has no backward on CPU, and SDPA with the dense ``[T, T]`` mask of
 (flash attention on CPU, with a mask where one is needed) on strided views of q, k, v:
 
 Heads of one layer are grouped by their window (clipped to T). A group whose window covers the sequence is one causal
-SDPA call. A group with window ``W < T`` splits its queries into three parts:
+SDPA call. A group with window ``W < T`` splits its queries into two parts, two SDPA calls:
 
-* prefix  ``[0, W)``: every earlier key lies within the window, so this part is plain causal attention over ``[0, W)``;
-* body    ``n = (T - W) // C`` chunks of ``C`` queries; the chunk starting at query ``s`` needs keys
-  ``[s - W + 1, s + C)``, i.e. ``L = C + W - 1`` keys. The chunks' key spans are overlapping windows of k and v
-  (``unfold``: a view, not a copy), and the mask inside a span is the same for every chunk, so one ``[C, L]`` mask
-  serves them all in one SDPA call;
-* tail    the last ``< C`` queries, with their own span and mask.
+* prefix  ``[0, W)``: every earlier key lies within the window, so this part is plain causal attention (over the full
+  k and v: the causal kernel stops at the diagonal, and no slice of k, v needs a backward of its own);
+* body    ``[W, T)`` in ``n = ceil((T - W) / C)`` chunks of ``C`` queries (the last one padded); the chunk starting at
+  query ``s`` needs keys ``[s - W + 1, s + C)``, i.e. ``L = C + W - 1`` keys. The chunks' key spans are overlapping
+  windows of k and v (``unfold``: a view, not a copy), and the mask inside a span is the same for every chunk, so
+  one ``[C, L]`` mask serves every chunk of every head of the group in one call. Padded keys lie after every real
+  query, so causality already hides them from real queries.
 
-Work per head: ``W^2/2 + (T - W)(C + W - 1)`` pairs instead of ``T^2/2``. The masks are evaluated from
-``masks.window_mask_mod`` (the single source of truth) at the absolute positions of the first chunk and of the tail,
-when the plan is built (at control steps), never on the hot path. The prefix and full-window groups rely on the
-identity "q < W implies every causal key is in the window", which the tests check against the mask_mod.
+Work per head: ``W^2/2 + n C (C + W - 1)`` pairs instead of ``T^2/2``. The masks are evaluated from
+``masks.window_mask_mod`` (the single source of truth) at the absolute positions of the first chunk, when the plan is
+built (at control steps; cached per (W, T)), never on the hot path. The prefix and full-window groups rely on the
+identity "q < W implies every causal key is in the window", which the tests check against the float64 reference.
 
-With document masking (per-batch ``doc_ids``) the same parts run once per sequence, every part with its mask evaluated
-from the mask_mod (prefix and full-window groups included), so documents are exact; the masks are built per batch,
-like every document mask.
+Few parts means few kernel launches and few memory passes: on a busy machine every parallel region pays for its
+threads' scheduling, so the part count matters as much as the pair count.
+
+With document masking (per-batch ``doc_ids``) the same parts run once per sequence, every part with a mask evaluated
+from the mask_mod (per chunk in the body; prefix and full-window groups included), so documents are exact; these masks
+are built per batch, like every document mask.
 """
 
 from __future__ import annotations
@@ -59,9 +63,8 @@ class HeadGroup:
     stop: int
     window: int  # clipped to T
     chunk: int
-    prefix_mask: Tensor | None  # [(B,) W, W]
-    body_mask: Tensor | None  # [C, C + W - 1], or [B, n, C, C + W - 1] (documents differ per chunk)
-    tail_mask: Tensor | None  # [(B,) tail, tail + W - 1]
+    prefix_mask: Tensor | None  # [B, W, W] with documents, else None (causal)
+    body_mask: Tensor | None  # [C, C + W - 1], or [B, n, C, C + W - 1] with documents (they differ per chunk)
 
 
 @dataclass(frozen=True)
@@ -76,19 +79,18 @@ class BandedPlan:
 
 
 def _split(window: int, seq_len: int) -> tuple[int, int, int]:
-    """(window clipped to T, chunk size, number of body chunks); the tail is what is left."""
+    """(window clipped to T, chunk size, number of body chunks, the last one padded)."""
     w = min(window, seq_len)
     if w >= seq_len:
         return w, 0, 0
     c = chunk_size(w)
-    return w, c, (seq_len - w) // c
+    return w, c, -(-(seq_len - w) // c)
 
 
 def band_pairs(window: int, seq_len: int) -> int:
-    """(query, key) pairs the banded backend computes for one head (masked pairs included)."""
+    """(query, key) pairs the banded backend computes for one head (masked and padded pairs included)."""
     w, c, n = _split(window, seq_len)
-    tail = seq_len - w - n * c
-    return w * (w + 1) // 2 + n * c * (c + w - 1) + tail * (tail + w - 1)
+    return w * (w + 1) // 2 + n * c * (c + w - 1)
 
 
 def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -106,28 +108,25 @@ def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Te
 
 
 def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | None, device):
-    """(prefix, body, tail) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions."""
+    """(prefix, body) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions."""
     w, c, n = _split(window, seq_len)
-    end = w + n * c
-    tail = seq_len - end
 
     def pos(start: int, count: int) -> Tensor:
         return torch.arange(start, start + count, device=device)
 
     prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
-    body = None
-    if n:
-        span = c + w - 1
-        if batch is None:  # the band is the same in every chunk: evaluate it on the first one
-            q_idx, kv_idx = pos(w, c)[:, None], pos(1, span)[None]
-        else:
-            first = torch.arange(n, device=device).view(n, 1, 1) * c
-            q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(1, span).view(1, 1, span)
-        body = _eval_mask(mask_mod, head, batch, q_idx, kv_idx)
-    tail_mask = None
-    if tail:
-        tail_mask = _eval_mask(mask_mod, head, batch, pos(end, tail)[:, None], pos(end - w + 1, tail + w - 1)[None])
-    return prefix, body, tail_mask
+    if not n:
+        return prefix, None
+    span = c + w - 1
+    if batch is None:  # the band is the same in every chunk: evaluate it on the first one
+        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(1, span)[None])
+    first = torch.arange(n, device=device).view(n, 1, 1) * c
+    q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(1, span).view(1, 1, span)
+    # Padded positions (>= T) have no document: evaluate at T - 1 (padded queries then see the last key, so no row
+    # is empty) and hide padded keys.
+    last = seq_len - 1
+    body = _eval_mask(mask_mod, head, batch, q_idx.clamp(max=last), kv_idx.clamp(max=last)) & (kv_idx <= last)
+    return prefix, body
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,32 +179,31 @@ def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tens
 
     B, h, T, D = q.shape
     w, c = g.window, g.chunk
-    n = (T - w) // c if c else 0
-    end = w + n * c
-    prefix = mask(g.prefix_mask)
-    qp, kp, vp = q[:, :, :w], k[:, :, :w], v[:, :, :w]
-    if prefix is None:  # q < W: every causal key is inside the window
-        parts = [F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)]
+    prefix_mask = mask(g.prefix_mask)
+    if w >= T:
+        if prefix_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=prefix_mask)
+    q_prefix, q_body = q.split([w, T - w], dim=2)
+    if prefix_mask is None:  # q < W: every causal key is inside the window; top-left causal over all of k
+        prefix = F.scaled_dot_product_attention(q_prefix, k, v, is_causal=True)
     else:
-        parts = [F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prefix)]
-    if n:
-        span = c + w - 1
-        qc = q[:, :, w:end].reshape(B * h, n, c, D)
-        # Overlapping key spans [s - w + 1, s + c) for chunk starts s = w, w + c, ...: a strided view, not a copy.
-        kc = k.reshape(B * h, T, D)[:, 1:end].unfold(1, span, c).transpose(-1, -2)
-        vc = v.reshape(B * h, T, D)[:, 1:end].unfold(1, span, c).transpose(-1, -2)
-        body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask))
-        parts.append(body.view(B, h, n * c, D))
-    if end < T:
-        s = end - w + 1
-        tail_mask = mask(g.tail_mask)
-        parts.append(F.scaled_dot_product_attention(q[:, :, end:], k[:, :, s:], v[:, :, s:], attn_mask=tail_mask))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        prefix = F.scaled_dot_product_attention(q_prefix, k[:, :, :w], v[:, :, :w], attn_mask=prefix_mask)
+    n = -(-(T - w) // c)
+    pad, span = n * c - (T - w), c + w - 1
+    qc = F.pad(q_body, (0, 0, 0, pad)).reshape(B * h, n, c, D)
+    # Keys [1, T + pad): the chunk starting at query w + i*c reads the span starting at key 1 + i*c.
+    kc, vc = (F.pad(x, (0, 0, -1, pad)).reshape(B * h, T - 1 + pad, D).unfold(1, span, c).transpose(-1, -2) for x in (k, v))
+    body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).view(B, h, n * c, D)
+    return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
 
 
 def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None) -> Tensor:
-    outs = [_group(*(x[:, g.start : g.stop] for x in (q, k, v)), g, b) for g in plan.groups]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if len(plan.groups) == 1:
+        return _group(q, k, v, plan.groups[0], b)
+    sizes = [g.stop - g.start for g in plan.groups]
+    parts = zip(*(x.split(sizes, dim=1) for x in (q, k, v)))  # split, not slices: one backward copy per tensor
+    return torch.cat([_group(qg, kg, vg, g, b) for (qg, kg, vg), g in zip(parts, plan.groups)], dim=1)
 
 
 def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tensor:
