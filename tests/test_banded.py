@@ -88,8 +88,8 @@ def test_band_pairs_counts_the_work():
     T = 4096
     assert banded.band_pairs(T, T) == T * (T + 1) // 2
     assert banded.band_pairs(10 * T, T) == T * (T + 1) // 2
-    w = 512  # prefix W^2/2 + 28 chunks of 128 x 639
-    assert banded.band_pairs(w, T) == w * (w + 1) // 2 + (T - w) * (128 + w - 1)
+    w = 512  # prefix W^2/2 + 28 chunks of 128 queries x 640 keys
+    assert banded.band_pairs(w, T) == w * (w + 1) // 2 + (T - w) * (128 + w)
 
 
 def test_auto_picks_a_backend_that_runs():

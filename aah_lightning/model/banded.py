@@ -10,12 +10,12 @@ SDPA call. A group with window ``W < T`` splits its queries into two parts, two 
 * prefix  ``[0, W)``: every earlier key lies within the window, so this part is plain causal attention (over the full
   k and v: the causal kernel stops at the diagonal, and no slice of k, v needs a backward of its own);
 * body    ``[W, T)`` in ``n = ceil((T - W) / C)`` chunks of ``C`` queries (the last one padded); the chunk starting at
-  query ``s`` needs keys ``[s - W + 1, s + C)``, i.e. ``L = C + W - 1`` keys. The chunks' key spans are overlapping
-  windows of k and v (``unfold``: a view, not a copy), and the mask inside a span is the same for every chunk, so
-  one ``[C, L]`` mask serves every chunk of every head of the group in one call. Padded keys lie after every real
-  query, so causality already hides them from real queries.
+  query ``s`` needs keys ``[s - W + 1, s + C)``; it is given ``[s - W, s + C)``, ``L = C + W`` keys, so that the
+  spans are overlapping windows of k and v on the chunk grid (``unfold``: a view, not a copy). The mask inside a
+  span is the same for every chunk, so one ``[C, L]`` mask serves every chunk of every head of the group in one call.
+  Padded keys lie after every real query, so causality already hides them from real queries.
 
-Work per head: ``W^2/2 + n C (C + W - 1)`` pairs instead of ``T^2/2``. The masks are evaluated from
+Work per head: ``W^2/2 + n C (C + W)`` pairs instead of ``T^2/2``. The masks are evaluated from
 ``masks.window_mask_mod`` (the single source of truth) at the absolute positions of the first chunk, when the plan is
 built (at control steps; cached per (W, T)), never on the hot path. The prefix and full-window groups rely on the
 identity "q < W implies every causal key is in the window", which the tests check against the float64 reference.
@@ -64,7 +64,7 @@ class HeadGroup:
     window: int  # clipped to T
     chunk: int
     prefix_mask: Tensor | None  # [B, W, W] with documents, else None (causal)
-    body_mask: Tensor | None  # [C, C + W - 1], or [B, n, C, C + W - 1] with documents (they differ per chunk)
+    body_mask: Tensor | None  # [C, C + W], or [B, n, C, C + W] with documents (they differ per chunk)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _split(window: int, seq_len: int) -> tuple[int, int, int]:
 def band_pairs(window: int, seq_len: int) -> int:
     """(query, key) pairs the banded backend computes for one head (masked and padded pairs included)."""
     w, c, n = _split(window, seq_len)
-    return w * (w + 1) // 2 + n * c * (c + w - 1)
+    return w * (w + 1) // 2 + n * c * (c + w)
 
 
 def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -117,11 +117,11 @@ def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | No
     prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
     if not n:
         return prefix, None
-    span = c + w - 1
+    span = c + w
     if batch is None:  # the band is the same in every chunk: evaluate it on the first one
-        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(1, span)[None])
+        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(0, span)[None])
     first = torch.arange(n, device=device).view(n, 1, 1) * c
-    q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(1, span).view(1, 1, span)
+    q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(0, span).view(1, 1, span)
     # Padded positions (>= T) have no document: evaluate at T - 1 (padded queries then see the last key, so no row
     # is empty) and hide padded keys.
     last = seq_len - 1
@@ -190,10 +190,13 @@ def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tens
     else:
         prefix = F.scaled_dot_product_attention(q_prefix, k[:, :, :w], v[:, :, :w], attn_mask=prefix_mask)
     n = -(-(T - w) // c)
-    pad, span = n * c - (T - w), c + w - 1
-    qc = F.pad(q_body, (0, 0, 0, pad)).reshape(B * h, n, c, D)
-    # Keys [1, T + pad): the chunk starting at query w + i*c reads the span starting at key 1 + i*c.
-    kc, vc = (F.pad(x, (0, 0, -1, pad)).reshape(B * h, T - 1 + pad, D).unfold(1, span, c).transpose(-1, -2) for x in (k, v))
+    pad = n * c - (T - w)
+    if pad:  # only when C does not divide T - W (powers of two never pad)
+        q_body, k, v = F.pad(q_body, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    qc = q_body.reshape(B * h, n, c, D)
+    # The chunk starting at query W + i*C reads keys [i*C, W + (i+1)*C): overlapping views of k and v, no copy. The
+    # first key of each span is never visible (it is W keys back); it keeps every span aligned to the chunk grid.
+    kc, vc = (x.reshape(B * h, T + pad, D).unfold(1, c + w, c).transpose(-1, -2) for x in (k, v))
     body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).view(B, h, n * c, D)
     return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
 
