@@ -21,7 +21,9 @@ built (at control steps; cached per (W, T)), never on the hot path. The prefix a
 identity "q < W implies every causal key is in the window", which the tests check against the float64 reference.
 
 Few parts means few kernel launches and few memory passes: on a busy machine every parallel region pays for its
-threads' scheduling, so the part count matters as much as the pair count.
+threads' scheduling, so the part count matters as much as the pair count. The CPU flash backward parallelises over
+(batch, head) pairs only, so a group with fewer pairs than threads (one full-window head at batch 1) runs its backward
+on fewer threads; the forward splits query blocks too.
 
 With document masking (per-batch ``doc_ids``) the same parts run once per sequence, every part with a mask evaluated
 from the mask_mod (per chunk in the body; prefix and full-window groups included), so documents are exact; these masks
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from aah_lightning.model.masks import window_mask_mod
 
-# Body chunk size: small chunks waste less of the span (the masked triangle is C(C-1)/2 of C*L pairs), large chunks
+# Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
 # run the kernel more efficiently. Measured on a 2-core CPU (fp32, T=4096, fwd+bwd): 128 is best for W >= 512,
 # within noise of 256; 64 and 32 cost 10-60 % more there.
 MAX_CHUNK = 128
