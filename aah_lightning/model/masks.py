@@ -75,7 +75,9 @@ def window_tiles(windows_row: Tensor, seq_len: int, block_size: int) -> tuple[Te
 
 
 def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """kv tile counts and indices (selected tiles first, ascending) as FlexAttention wants them."""
+    """Tile counts and indices (selected tiles first, ascending) along the last dim, contiguous, as FlexAttention
+    wants them (``tiles`` may be a transposed view)."""
+    tiles = tiles.contiguous()
     counts = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return counts, order
