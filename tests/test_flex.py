@@ -23,6 +23,8 @@ def test_analytic_block_mask_backward_orientation_matches_torch(T, block):
     )
     for field in ("q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, field), getattr(torchs, field)), field
+    for field in ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices"):
+        assert getattr(ours, field).is_contiguous(), field  # kernels index them with their own strides
     for field, count in (("q_indices", "q_num_blocks"), ("full_q_indices", "full_q_num_blocks")):
         n = getattr(ours, count).unsqueeze(-1)
         keep = torch.arange(getattr(ours, field).shape[-1]) < n  # only the listed entries are meaningful
