@@ -5,8 +5,15 @@ Backends (identical semantics, all derived from ``masks.window_mask_mod``):
 * ``flex``  - FlexAttention with a per-head BlockMask, compiled. Skips empty tiles. On CPU forward only (torch has
   no CPU backward for it), so it serves validation and probes there.
 * ``sdpa``  - ``scaled_dot_product_attention`` with the dense boolean mask of the mask_mod (or ``is_causal`` when every
-  head of the layer sees the whole sequence). CPU training and the reference.
+  head of the layer sees the whole sequence). The reference; CPU training of short sequences.
+* ``banded`` - heads grouped by window; causal SDPA for full-window heads, chunked band attention (work ~ T * W) for
+  the others (model/banded.py). CPU training.
 * ``auto``  - the fastest correct choice for the device and grad mode (see ``resolve_backend``).
+
+On CPU the compiled flex kernel splits ``B * H * q-tiles`` into one contiguous range per thread, so a layer whose
+windows grow with the head index leaves one thread idle most of the time. The CPU flex plan therefore runs the heads
+in a balanced order (``cpu_head_order``) when that shortens the busiest thread's work: q, k, v and the BlockMask are
+permuted, the output is permuted back. The plan assumes batch 1 and the thread count at plan time.
 
 A layer whose heads all have ``W >= T`` (and no document mask) runs plain causal SDPA under every backend: that is
 the same mask, and the fused causal kernels are the fastest way to compute it.
@@ -21,11 +28,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from aah_lightning.model import masks
+from aah_lightning.model import banded, masks
 
 # On CPU, compiled flex pays off for inference only once tiles can be skipped at a useful scale; below this length
 # the dense SDPA mask is faster than the ~10 s compile.
 CPU_FLEX_MIN_SEQ_LEN = 1024
+# CPU training: banded from this length on. Measured fwd+bwd (B=4, H=8, D=64, windows T/8 x4, T/4 x2, T/2, T; one
+# thread): T=128 dense mask 7.9 ms, banded 9.7 ms; T=256 29 vs 22 ms; T=1024 443 vs 194 ms. Below it the dense mask
+# wins because the banded parts are too small to amortise their extra kernel calls.
+CPU_BANDED_MIN_SEQ_LEN = 256
 
 _compiled_flex = None
 
@@ -43,12 +54,18 @@ class BackendUnavailable(RuntimeError):
 
 
 def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_len: int) -> str:
-    """Map a configured backend to the one that runs now."""
+    """Map a configured backend to the one that runs now.
+
+    ``auto``: flex on CUDA; on CPU, compiled flex for inference from ``CPU_FLEX_MIN_SEQ_LEN``, banded for training from
+    ``CPU_BANDED_MIN_SEQ_LEN``, dense-mask SDPA otherwise.
+    """
     if requested == "auto":
         if device.type == "cuda":
             return "flex"
         if not needs_grad and seq_len >= CPU_FLEX_MIN_SEQ_LEN:
             return "flex"
+        if needs_grad and seq_len >= CPU_BANDED_MIN_SEQ_LEN:
+            return "banded"
         return "sdpa"
     if requested == "flex" and needs_grad and device.type != "cuda":
         raise BackendUnavailable(
@@ -61,10 +78,14 @@ def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """How one layer attends: ``kind`` in {causal, dense, flex}; ``mask`` is None, a bool tensor or a BlockMask."""
+    """How one layer attends: ``kind`` in {causal, dense, flex, banded}; ``mask`` is None, a bool tensor, a BlockMask
+    or a ``banded.BandedPlan``. ``order``/``inverse`` (flex on CPU): the heads run in ``order`` (the BlockMask is
+    built for that order) and ``inverse`` restores the layer's order on the output."""
 
     kind: str
     mask: object = None
+    order: Tensor | None = None
+    inverse: Tensor | None = None
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: LayerPlan) -> Tensor:
@@ -73,9 +94,55 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: LayerPlan) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if plan.kind == "dense":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)
+    if plan.kind == "banded":
+        return banded.banded_attention(q, k, v, plan.mask)
     if plan.kind == "flex":
-        return compiled_flex_attention()(q, k, v, block_mask=plan.mask)
+        if plan.order is not None:
+            q, k, v = (x.index_select(1, plan.order) for x in (q, k, v))
+        elif q.device.type == "cpu":  # same strides as a permuted layer: one compiled graph serves both
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        out = compiled_flex_attention()(q, k, v, block_mask=plan.mask)
+        return out if plan.order is None else out.index_select(1, plan.inverse)
     raise ValueError(f"unknown attention plan {plan.kind!r}")
+
+
+def balanced_order(work: list[float], threads: int) -> list[int]:
+    """A head order for a kernel that hands each of ``threads`` threads one contiguous, equal-length range of heads.
+
+    Longest-processing-time first with equal head counts: heads in decreasing work go to the least loaded thread that
+    still has room (``ceil`` / ``floor`` of H / threads heads), then the threads' heads are concatenated. Ties keep
+    the lower head index first.
+    """
+    n = len(work)
+    room = [n // threads + (t < n % threads) for t in range(threads)]
+    bins: list[list[int]] = [[] for _ in range(threads)]
+    load = [0.0] * threads
+    for h in sorted(range(n), key=lambda h: (-work[h], h)):
+        t = min((t for t in range(threads) if len(bins[t]) < room[t]), key=lambda t: (load[t], t))
+        bins[t].append(h)
+        load[t] += work[h]
+    return [h for b in bins for h in sorted(b)]
+
+
+def cpu_makespan(tiles_per_item: Tensor, threads: int) -> float:
+    """Work of the busiest thread when the CPU flex kernel splits its ``(head, q-tile)`` items (``[H, n_q]`` tile
+    counts, batch 1) into ``threads`` contiguous ranges of equal length, as ``at::parallel_for`` does."""
+    items = tiles_per_item.reshape(-1).to(torch.float64)
+    chunk = -(-items.numel() // threads)
+    return max(items[t * chunk : (t + 1) * chunk].sum().item() for t in range(threads))
+
+
+def cpu_head_order(windows_row: Tensor, seq_len: int, block_size: int, threads: int) -> list[int] | None:
+    """The balanced head order for the CPU flex kernel, or None when it would not shorten the busiest thread's work
+    by at least 5 % for ``threads`` threads at batch 1 (the permutation costs four copies of q, k, v, out)."""
+    if threads < 2:
+        return None
+    partial, full = masks.window_tiles(windows_row, seq_len, block_size)
+    per_item = (partial | full).sum(-1)  # [H, n_q]: tiles each (head, q-tile) item visits
+    order = balanced_order(per_item.sum(-1).tolist(), threads)
+    if cpu_makespan(per_item[order], threads) > 0.95 * cpu_makespan(per_item, threads):
+        return None
+    return order
 
 
 class AttentionPlanner:
@@ -114,7 +181,7 @@ class AttentionPlanner:
             elif doc_ids is not None:  # depends on the batch: built every call, never cached
                 plans.append(self._build(backend, row, seq_len, device, doc_ids))
             else:
-                key = (backend, row, seq_len, device)
+                key = (backend, row, seq_len, device, torch.get_num_threads())  # CPU flex plans depend on threads
                 if key not in self._cache:
                     self._cache[key] = self._build(backend, row, seq_len, device, None)
                 plans.append(self._cache[key])
@@ -125,9 +192,17 @@ class AttentionPlanner:
         # A private copy of the row: a cached mask must not change when the live table is written.
         row_t = torch.tensor(row, dtype=torch.int32, device=device)
         if backend == "flex":
+            if doc_ids is None and device.type == "cpu":
+                order = cpu_head_order(row_t, seq_len, self.block_size, torch.get_num_threads())
+                if order is not None:
+                    order = torch.tensor(order, device=device)
+                    block_mask = masks.window_block_mask(row_t[order], seq_len, self.block_size)
+                    return LayerPlan("flex", block_mask, order, torch.argsort(order))
             if doc_ids is None:
                 return LayerPlan("flex", masks.window_block_mask(row_t, seq_len, self.block_size))
             return LayerPlan("flex", masks.document_block_mask(row_t, doc_ids, self.block_size))
+        if backend == "banded":
+            return LayerPlan("banded", banded.build_plan(row, seq_len, doc_ids, device))
         if backend == "sdpa":
             mask_mod = masks.window_mask_mod(row_t, doc_ids)
             batch = 1 if doc_ids is None else doc_ids.shape[0]

@@ -75,25 +75,38 @@ def window_tiles(windows_row: Tensor, seq_len: int, block_size: int) -> tuple[Te
 
 
 def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """kv tile counts and indices (selected tiles first, ascending) as FlexAttention wants them."""
+    """Tile counts and indices (selected tiles first, ascending) along the last dim, contiguous, as FlexAttention
+    wants them (``tiles`` may be a transposed view)."""
+    tiles = tiles.contiguous()
     counts = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return counts, order
 
 
 def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128) -> BlockMask:
-    """BlockMask for one layer (B=1 broadcast over the batch, H = number of heads), built analytically."""
-    partial, full = window_tiles(windows_row, seq_len, block_size)
-    kv_num, kv_idx = _ordered(partial.unsqueeze(0))
-    full_num, full_idx = _ordered(full.unsqueeze(0))
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block_size,
-        mask_mod=window_mask_mod(windows_row),
+    """BlockMask for one layer (B=1 broadcast over the batch, H = number of heads), built analytically.
+
+    Both orientations come from the closed-form tile classes: kv tiles per q tile (forward) and q tiles per kv tile
+    (the transpose, used by the backward). ``BlockMask.from_kv_blocks`` would derive the latter with a vmapped
+    scatter that costs ~10x more than everything else here.
+    """
+    partial, full = (t.unsqueeze(0) for t in window_tiles(windows_row, seq_len, block_size))
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    return BlockMask(
         seq_lengths=(seq_len, seq_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=window_mask_mod(windows_row),
     )
 
 

@@ -1,0 +1,226 @@
+"""Banded attention: per-head causal windows at a cost proportional to T * W, with autograd, from SDPA calls.
+
+FlexAttention has no backward on CPU, and SDPA with the dense ``[T, T]`` mask of the mask_mod computes every pair
+(~2.3x a causal call at T=4096). This backend computes only a band around the diagonal, with the fused SDPA kernels
+(flash attention on CPU, with a mask where one is needed) on strided views of q, k, v:
+
+Heads of one layer are grouped by their window (clipped to T). A group whose window covers the sequence is one causal
+SDPA call. A group with window ``W < T`` splits its queries into two parts, two SDPA calls:
+
+* prefix  ``[0, W)``: every earlier key lies within the window, so this part is plain causal attention (over the full
+  k and v: the causal kernel stops at the diagonal, and no slice of k, v needs a backward of its own);
+* body    ``[W, T)`` in ``n = ceil((T - W) / C)`` chunks of ``C`` queries (the last one padded); the chunk starting at
+  query ``s`` needs keys ``[s - W + 1, s + C)``; it is given ``[s - W, s + C)``, ``L = C + W`` keys, so that the
+  spans are overlapping windows of k and v on the chunk grid (``unfold``: a view, not a copy). The mask inside a
+  span is the same for every chunk, so one ``[C, L]`` mask serves every chunk of every head of the group in one call.
+  Padded keys lie after every real query, so causality already hides them from real queries.
+
+Work per head: ``W^2/2 + n C (C + W)`` pairs instead of ``T^2/2``. The masks are evaluated from
+``masks.window_mask_mod`` (the single source of truth) at the absolute positions of the first chunk, when the plan is
+built (at control steps; cached per (W, T)), never on the hot path. The prefix and full-window groups rely on the
+identity "q < W implies every causal key is in the window", which the tests check against the float64 reference.
+
+Few parts means few kernel launches and few memory passes: on a busy machine every parallel region pays for its
+threads' scheduling, so the part count matters as much as the pair count. The CPU flash backward parallelises over
+(batch, head) pairs only, so a group with fewer pairs than threads (one full-window head at batch 1) runs its backward
+on fewer threads; the forward splits query blocks too.
+
+With document masking (per-batch ``doc_ids``) the same parts run once per sequence, every part with a mask evaluated
+from the mask_mod (per chunk in the body; prefix and full-window groups included), so documents are exact; these masks
+are built per batch, like every document mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aah_lightning.model.masks import window_mask_mod
+
+# Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
+# run the kernel more efficiently. Measured on a 2-core CPU (fp32, T=4096, fwd+bwd): 128 is best for W >= 512,
+# within noise of 256; 64 and 32 cost 10-60 % more there.
+MAX_CHUNK = 128
+MIN_CHUNK = 32
+
+
+def chunk_size(window: int) -> int:
+    """Body chunk size for a window: W/4, clipped to [MIN_CHUNK, MAX_CHUNK]."""
+    return max(MIN_CHUNK, min(MAX_CHUNK, window // 4))
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """Heads of one layer that share a window. ``start:stop`` is their range in the layer's grouped head order.
+
+    Masks are bool (True = attend), evaluated from the mask_mod; with document masking each has a leading batch dim.
+    ``prefix_mask`` None means plain causal. A group whose window covers the sequence is all prefix.
+    """
+
+    start: int
+    stop: int
+    window: int  # clipped to T
+    chunk: int
+    prefix_mask: Tensor | None  # [B, W, W] with documents, else None (causal)
+    body_mask: Tensor | None  # [C, C + W], or [B, n, C, C + W] with documents (they differ per chunk)
+
+
+@dataclass(frozen=True)
+class BandedPlan:
+    """A layer's banded execution: head groups in ascending window order, and the permutation that produced it."""
+
+    seq_len: int
+    groups: tuple[HeadGroup, ...]
+    order: Tensor | None  # heads in grouped order (index into the layer's heads); None = already grouped
+    inverse: Tensor | None  # undoes ``order`` on the output
+    batch: int | None = None  # with document masking: the batch size the masks were built for
+
+
+def _split(window: int, seq_len: int) -> tuple[int, int, int]:
+    """(window clipped to T, chunk size, number of body chunks, the last one padded)."""
+    w = min(window, seq_len)
+    if w >= seq_len:
+        return w, 0, 0
+    c = chunk_size(w)
+    return w, c, -(-(seq_len - w) // c)
+
+
+def band_pairs(window: int, seq_len: int) -> int:
+    """(query, key) pairs the banded backend computes for one head (masked and padded pairs included)."""
+    w, c, n = _split(window, seq_len)
+    return w * (w + 1) // 2 + n * c * (c + w)
+
+
+def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """The mask_mod on absolute positions (``q_idx [..., nq, 1]``, ``kv_idx [..., 1, nkv]``); leading batch dim iff
+    ``batch`` is given."""
+    device = q_idx.device
+    shape = torch.broadcast_shapes(q_idx.shape, kv_idx.shape)
+    h = torch.tensor(head, device=device)
+    if batch is None:
+        b = torch.zeros((), dtype=torch.long, device=device)
+    else:
+        b = torch.arange(batch, device=device).view((batch,) + (1,) * len(shape))
+        shape = (batch,) + shape
+    return mask_mod(b, h, q_idx, kv_idx).expand(shape).contiguous()
+
+
+def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | None, device):
+    """(prefix, body) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions."""
+    w, c, n = _split(window, seq_len)
+
+    def pos(start: int, count: int) -> Tensor:
+        return torch.arange(start, start + count, device=device)
+
+    prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
+    if not n:
+        return prefix, None
+    span = c + w
+    if batch is None:  # the band is the same in every chunk: evaluate it on the first one
+        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(0, span)[None])
+    first = torch.arange(n, device=device).view(n, 1, 1) * c
+    q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(0, span).view(1, 1, span)
+    # Padded positions (>= T) have no document: evaluate at T - 1 (padded queries then see the last key, so no row
+    # is empty) and hide padded keys.
+    last = seq_len - 1
+    body = _eval_mask(mask_mod, head, batch, q_idx.clamp(max=last), kv_idx.clamp(max=last)) & (kv_idx <= last)
+    return prefix, body
+
+
+@functools.lru_cache(maxsize=64)
+def _window_masks(window: int, seq_len: int, device: torch.device):
+    """Masks of a window without documents: they depend on (W, T) only, so layers and rebuilds share them."""
+    mask_mod = window_mask_mod(torch.tensor([window], dtype=torch.int32, device=device))
+    return _group_masks(mask_mod, 0, window, seq_len, None, device)
+
+
+def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=None) -> BandedPlan:
+    """Group a layer's heads by window and evaluate the masks from the mask_mod, on ``device``.
+
+    ``windows_row``: the layer's windows as ints (the planner's host mirror) or a tensor (read on the host). Call at
+    plan-building time (control steps), not per step. With ``doc_ids [B, T]`` the masks are per batch element.
+    """
+    if device is None:
+        device = doc_ids.device if doc_ids is not None else getattr(windows_row, "device", "cpu")
+    device = torch.device(device)
+    windows = [int(w) for w in windows_row]
+    row = [min(w, seq_len) for w in windows]
+    order = sorted(range(len(row)), key=lambda h: row[h])
+    if doc_ids is not None:
+        mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids)
+    groups, start = [], 0
+    while start < len(order):
+        head = order[start]  # any head of the group stands for all: they share the window
+        stop = start
+        while stop < len(order) and row[order[stop]] == row[head]:
+            stop += 1
+        w, c, _ = _split(row[head], seq_len)
+        if doc_ids is None:
+            masks = _window_masks(w, seq_len, device)
+        else:
+            masks = _group_masks(mask_mod, head, w, seq_len, doc_ids.shape[0], device)
+        groups.append(HeadGroup(start, stop, w, c, *masks))
+        start = stop
+    batch = None if doc_ids is None else doc_ids.shape[0]
+    if order == sorted(order):
+        return BandedPlan(seq_len, tuple(groups), None, None, batch)
+    perm = torch.tensor(order, device=device)
+    return BandedPlan(seq_len, tuple(groups), perm, torch.argsort(perm), batch)
+
+
+def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tensor:
+    """Attention of heads sharing window ``g.window``. q, k, v: ``[B, h, T, D]`` -> ``[B, h, T, D]``. ``b``: the batch
+    element (the tensors hold only it) whose masks to use, with document masking."""
+
+    def mask(m: Tensor | None) -> Tensor | None:
+        return m if m is None or b is None else m[b]
+
+    B, h, T, D = q.shape
+    w, c = g.window, g.chunk
+    prefix_mask = mask(g.prefix_mask)
+    if w >= T:
+        if prefix_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=prefix_mask)
+    q_prefix, q_body = q.split([w, T - w], dim=2)
+    if prefix_mask is None:  # q < W: every causal key is inside the window; top-left causal over all of k
+        prefix = F.scaled_dot_product_attention(q_prefix, k, v, is_causal=True)
+    else:
+        prefix = F.scaled_dot_product_attention(q_prefix, k[:, :, :w], v[:, :, :w], attn_mask=prefix_mask)
+    n = -(-(T - w) // c)
+    pad = n * c - (T - w)
+    if pad:  # only when C does not divide T - W (powers of two never pad)
+        q_body, k, v = F.pad(q_body, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    qc = q_body.reshape(B * h, n, c, D)
+    # The chunk starting at query W + i*C reads keys [i*C, W + (i+1)*C): overlapping views of k and v, no copy. The
+    # first key of each span is never visible (it is W keys back); it keeps every span aligned to the chunk grid.
+    kc, vc = (x.reshape(B * h, T + pad, D).unfold(1, c + w, c).transpose(-1, -2) for x in (k, v))
+    body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).view(B, h, n * c, D)
+    return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
+
+
+def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None) -> Tensor:
+    if len(plan.groups) == 1:
+        return _group(q, k, v, plan.groups[0], b)
+    sizes = [g.stop - g.start for g in plan.groups]
+    parts = zip(*(x.split(sizes, dim=1) for x in (q, k, v)))  # split, not slices: one backward copy per tensor
+    return torch.cat([_group(qg, kg, vg, g, b) for (qg, kg, vg), g in zip(parts, plan.groups)], dim=1)
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tensor:
+    """q, k, v: ``[B, H, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention."""
+    if q.shape[2] != plan.seq_len:
+        raise ValueError(f"banded plan built for T={plan.seq_len}, called with T={q.shape[2]}")
+    if plan.order is not None:
+        q, k, v = (x.index_select(1, plan.order) for x in (q, k, v))
+    if plan.batch is None:
+        y = _layer(q, k, v, plan, None)
+    else:  # document masks differ per sequence: one pass per batch element, its masks broadcast over heads
+        if q.shape[0] != plan.batch:
+            raise ValueError(f"banded plan built for batch {plan.batch}, called with {q.shape[0]}")
+        y = torch.cat([_layer(q[i : i + 1], k[i : i + 1], v[i : i + 1], plan, i) for i in range(plan.batch)])
+    return y if plan.inverse is None else y.index_select(1, plan.inverse)
