@@ -96,7 +96,7 @@ def test_auto_picks_a_backend_that_runs():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, True, 4096) == "banded"
     assert resolve_backend("auto", cpu, True, 64) == "sdpa"
-    assert resolve_backend("auto", cpu, False, 4096) == "flex"
+    assert resolve_backend("auto", cpu, False, 4096) == "banded"  # faster than compiled flex on CPU, no compile
     q, k, v = random_qkv(1, 2, 300, 8, 0)
     table = torch.tensor([[40, 300]], dtype=torch.int32)
     for T in (64, 300):

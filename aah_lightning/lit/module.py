@@ -77,7 +77,7 @@ class AAHModule(L.LightningModule):
             mlp_ratio: MLP hidden width / n_embd.
             bias: biases in linear layers and norms.
             rope_base: RoPE frequency base.
-            backend: attention backend: auto, flex, sdpa.
+            backend: attention backend: auto, flex, banded, sdpa.
             block_size: FlexAttention BlockMask tile size.
             document_mask: queries attend only within their own document.
             compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.

@@ -7,7 +7,7 @@ Backends (identical semantics, all derived from ``masks.window_mask_mod``):
 * ``sdpa``  - ``scaled_dot_product_attention`` with the dense boolean mask of the mask_mod (or ``is_causal`` when every
   head of the layer sees the whole sequence). The reference; CPU training of short sequences.
 * ``banded`` - heads grouped by window; causal SDPA for full-window heads, chunked band attention (work ~ T * W) for
-  the others (model/banded.py). CPU training.
+  the others (model/banded.py). CPU training and inference.
 * ``auto``  - the fastest correct choice for the device and grad mode (see ``resolve_backend``).
 
 On CPU the compiled flex kernel splits ``B * H * q-tiles`` into one contiguous range per thread, so a layer whose
@@ -30,10 +30,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model import banded, masks
 
-# On CPU, compiled flex pays off for inference only once tiles can be skipped at a useful scale; below this length
-# the dense SDPA mask is faster than the ~10 s compile.
-CPU_FLEX_MIN_SEQ_LEN = 1024
-# CPU training: banded from this length on. Measured fwd+bwd (B=4, H=8, D=64, windows T/8 x4, T/4 x2, T/2, T; one
+# CPU training and inference: banded from this length on (tools/bench.py: its forward is also faster than compiled
+# flex on CPU - 0.75-0.87x of flex causal time x block density at T=4096 - and needs no ~10 s compile). Measured fwd+bwd (B=4, H=8, D=64, windows T/8 x4, T/4 x2, T/2, T; one
 # thread): T=128 dense mask 7.9 ms, banded 9.7 ms; T=256 29 vs 22 ms; T=1024 443 vs 194 ms. Below it the dense mask
 # wins because the banded parts are too small to amortise their extra kernel calls.
 CPU_BANDED_MIN_SEQ_LEN = 256
@@ -56,21 +54,17 @@ class BackendUnavailable(RuntimeError):
 def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_len: int) -> str:
     """Map a configured backend to the one that runs now.
 
-    ``auto``: flex on CUDA; on CPU, compiled flex for inference from ``CPU_FLEX_MIN_SEQ_LEN``, banded for training from
-    ``CPU_BANDED_MIN_SEQ_LEN``, dense-mask SDPA otherwise.
+    ``auto``: flex on CUDA; on CPU banded from ``CPU_BANDED_MIN_SEQ_LEN`` (training and inference), dense-mask SDPA
+    below it. ``flex`` on CPU runs inference only.
     """
     if requested == "auto":
         if device.type == "cuda":
             return "flex"
-        if not needs_grad and seq_len >= CPU_FLEX_MIN_SEQ_LEN:
-            return "flex"
-        if needs_grad and seq_len >= CPU_BANDED_MIN_SEQ_LEN:
-            return "banded"
-        return "sdpa"
+        return "banded" if seq_len >= CPU_BANDED_MIN_SEQ_LEN else "sdpa"
     if requested == "flex" and needs_grad and device.type != "cuda":
         raise BackendUnavailable(
             f"model.backend=flex cannot train on {device.type}: FlexAttention has no backward pass there "
-            f"(torch {torch.__version__}). Use model.backend=auto (SDPA for training, flex for inference) or sdpa, "
+            f"(torch {torch.__version__}). Use model.backend=auto (banded or SDPA on CPU), banded or sdpa, "
             f"or train on a CUDA GPU"
         )
     return requested
