@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from aah_lightning.aah import metrics
+from aah_lightning.aah.controller.hierarchy import Hierarchy
 from aah_lightning.model import masks
 
 
@@ -72,19 +73,11 @@ def change_rate(previous: Tensor | None, table: Tensor) -> float | None:
 
 # -- the hierarchy of head groups ---------------------------------------------------------------------------------
 @dataclass
-class GroupTree:
-    """One layer's hierarchy: ``levels[level][group]`` head indices; ``windows[level][group]`` or None."""
+class GroupTree(Hierarchy):
+    """One layer's hierarchy as diagnostics read it (from a live policy or a checkpoint's state):
+    ``levels[level][group]`` head indices, plus ``windows[level][group]`` (or None)."""
 
-    levels: list[list[list[int]]]
     windows: list[list[int]] | None = None
-
-    @property
-    def levels_used(self) -> int:
-        return len(self.levels)
-
-    @property
-    def group_counts(self) -> list[int]:
-        return [len(level) for level in self.levels]
 
     def group_of(self, head: int, level: int = 0) -> int | None:
         for g, heads in enumerate(self.levels[level]):
