@@ -21,6 +21,7 @@ from aah_lightning.lit.callbacks import Throughput, WindowDiagnostics
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.guards import NonFiniteGuard
+from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.module import AAHModule
 
 
@@ -143,6 +144,8 @@ def main(args=None) -> None:
             print(f"aah: error: {error}", file=sys.stderr)
             sys.exit(4)
         raise
+    finally:
+        shutdown_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.module import AAHModule, OptimConfig
 
 
@@ -46,6 +47,7 @@ def main(out_dir: str) -> None:
         {"tables": record.tables, "batches": record.batches, "policy": model.policy.state_dict()},
         f"{out_dir}/rank{trainer.global_rank}.pt",
     )
+    shutdown_process_group()
 
 
 if __name__ == "__main__":

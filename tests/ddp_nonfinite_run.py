@@ -13,6 +13,7 @@ import torch
 from aah_lightning.errors import TrainingDiverged
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
 
@@ -41,6 +42,7 @@ def main(out_dir: str) -> None:
         outcome = {"stopped": str(e), "global_step": trainer.global_step}
     with open(f"{out_dir}/rank{trainer.global_rank}.json", "w") as f:
         json.dump(outcome, f)
+    shutdown_process_group()
 
 
 if __name__ == "__main__":

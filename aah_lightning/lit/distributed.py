@@ -22,6 +22,13 @@ def distributed_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def shutdown_process_group() -> None:
+    """Destroy the default process group if one is up. Lightning leaves it to interpreter exit, where gloo's threads
+    can be torn down in the wrong order and abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gather(obj) -> list:
     """``obj`` of every rank, in rank order (all ranks must call this). One process: ``[obj]``."""
     world = distributed_world()
