@@ -60,6 +60,11 @@ def last(events, tag):
     return sorted(events["scalars"][tag])[-1][1]
 
 
+def val_losses(events):
+    """The two validations of a micro run (after steps 3 and 6), in step order."""
+    return [v for _, v in sorted(events["scalars"]["val/loss"])]
+
+
 def cell(table_line: str, column: int) -> str:
     return [c.strip() for c in table_line.strip().strip("|").split("|")][column]
 
@@ -91,8 +96,8 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
 
     lines = (out / "results.md").read_text().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["row", "seeds", "val loss", "val ppl", "Δ val loss vs baseline", "ACR", "causal coverage",
-                      "block density", "attention-mass coverage", "tokens/s"]
+    assert header == ["row", "seeds", "val loss", "val ppl", "Δ val loss vs baseline", "gain in last val interval",
+                      "ACR", "causal coverage", "block density", "attention-mass coverage", "tokens/s"]
     body = {cell(line, 0): line for line in lines[2:]}
     assert set(body) == set(ROWS)
     loss = {r: [last(events[(r, s)], "val/loss") for s in SEEDS] for r in ROWS}
@@ -100,14 +105,16 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
         assert cell(body[r], 1) == "2"
         assert cell(body[r], 2) == f"{statistics.fmean(loss[r]):.4f} ± {statistics.stdev(loss[r]):.4f}"
         acr = [last(events[(r, s)], "aah/acr") for s in SEEDS]
-        assert cell(body[r], 5) == f"{statistics.fmean(acr):.3f} ± {statistics.stdev(acr):.3f}"
+        assert cell(body[r], 6) == f"{statistics.fmean(acr):.3f} ± {statistics.stdev(acr):.3f}"
+        gains = [first_val - last_val for first_val, last_val in (val_losses(events[(r, s)]) for s in SEEDS)]
+        assert cell(body[r], 5) == f"{statistics.fmean(gains):.4f} ± {statistics.stdev(gains):.4f}"
         ppl = [last(events[(r, s)], "val/ppl") for s in SEEDS]
         assert cell(body[r], 3) == f"{statistics.fmean(ppl):.2f} ± {statistics.stdev(ppl):.2f}"
     diffs = [a - b for a, b in zip(loss["full_adaptive"], loss["baseline"])]  # paired by seed
     assert cell(body["full_adaptive"], 4) == f"{statistics.fmean(diffs):+.4f} ± {statistics.stdev(diffs):.4f}"
     assert cell(body["baseline"], 4) == "–"
-    assert cell(body["baseline"], 5) == "1.000 ± 0.000"  # the baseline's every head sees the whole context
-    assert float(cell(body["full_adaptive"], 5).split()[0]) <= 0.5  # the controller shortened the windows
+    assert cell(body["baseline"], 6) == "1.000 ± 0.000"  # the baseline's every head sees the whole context
+    assert float(cell(body["full_adaptive"], 6).split()[0]) <= 0.5  # the controller shortened the windows
     assert (out / "val_loss_vs_acr.png").stat().st_size > 0
 
     # the seed reaches the policy: each run's adaptive state was seeded by its own seed

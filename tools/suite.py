@@ -33,6 +33,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 COLUMNS = {
     "val_loss": ("val/loss", "last"),
     "val_ppl": ("val/ppl", "last"),
+    # How much the last validation interval still gained: near 0 once the curve has flattened.
+    "val_loss_last_gain": ("val/loss", "last_gain"),
     "acr": ("aah/acr", "last"),
     "causal_coverage": ("aah/causal_coverage", "last"),
     "block_density": ("aah/block_density", "last"),
@@ -90,6 +92,8 @@ def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
             out[column] = math.nan
         elif how == "last":
             out[column] = values[-1]
+        elif how == "last_gain":
+            out[column] = values[-2] - values[-1] if len(values) > 1 else math.nan
         else:
             out[column] = statistics.median(values)
     return out
@@ -117,9 +121,9 @@ def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
     base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
     lines = [
-        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | ACR | causal coverage | block density | "
+        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | gain in last val interval | ACR | causal coverage | block density | "
         "attention-mass coverage | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         recs = by_row[r]
@@ -131,7 +135,8 @@ def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
         d_mean, d_std = mean_std(diffs) if r != BASELINE else (math.nan, math.nan)
         lines.append(
             f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | "
-            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | {fmt(*stats['acr'], 3)} | "
+            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | {fmt(*stats['val_loss_last_gain'])} | "
+            f"{fmt(*stats['acr'], 3)} | "
             f"{fmt(*stats['causal_coverage'], 3)} | {fmt(*stats['block_density'], 3)} | "
             f"{fmt(*stats['attention_mass_coverage'], 3)} | {fmt(*stats['tokens_per_sec'], 0)} |"
         )
