@@ -116,6 +116,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     assert cell(body["baseline"], 6) == "1.000 ± 0.000"  # the baseline's every head sees the whole context
     assert float(cell(body["full_adaptive"], 6).split()[0]) <= 0.5  # the controller shortened the windows
     assert (out / "val_loss_vs_acr.png").stat().st_size > 0
+    assert (out / "val_loss_curves.png").stat().st_size > 0
 
     # the seed reaches the policy: each run's adaptive state was seeded by its own seed
     for s in SEEDS:

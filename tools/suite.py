@@ -8,8 +8,8 @@ A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) 
 policy's own randomness (random windows, the probe's query sample, random grouping, the paper allocator's networks,
 the shuffles); the data order and split stay fixed (``data.seed``), so all runs see the same batches. Finished runs
 are skipped when the suite is started again, so an interrupted suite resumes. Outputs in ``<out>``: ``results.csv``
-(one line per run), ``results.md`` (mean +- std over seeds per row, difference to the baseline row) and
-``val_loss_vs_acr.png``.
+(one line per run), ``results.md`` (mean +- std over seeds per row, difference to the baseline row),
+``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row).
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
     plot(out, by_row)
+    plot_curves(out, by_row)
     return table
 
 
@@ -165,6 +166,31 @@ def plot(out: str, by_row: dict[str, list[dict]]) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "val_loss_vs_acr.png"), dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(out: str, by_row: dict[str, list[dict]]) -> None:
+    """Validation loss against step, mean over each row's seeds: shows whether the runs had flattened."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r, recs in by_row.items():
+        per_step: dict[int, list[float]] = {}
+        for x in recs:
+            for step, value in read_scalars(run_dir(out, r, x["seed"])).get("val/loss", []):
+                per_step.setdefault(step, []).append(value)
+        if per_step:
+            steps = sorted(per_step)
+            ax.plot(steps, [statistics.fmean(per_step[s]) for s in steps], marker="o", markersize=3, label=r)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation loss (nats/token), mean over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "val_loss_curves.png"), dpi=120)
     plt.close(fig)
 
 
