@@ -177,14 +177,15 @@ def plot_curves(out: str, by_row: dict[str, list[dict]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for r, recs in by_row.items():
+    for i, (r, recs) in enumerate(by_row.items()):
         per_step: dict[int, list[float]] = {}
         for x in recs:
             for step, value in read_scalars(run_dir(out, r, x["seed"])).get("val/loss", []):
                 per_step.setdefault(step, []).append(value)
         if per_step:
             steps = sorted(per_step)
-            ax.plot(steps, [statistics.fmean(per_step[s]) for s in steps], marker="o", markersize=3, label=r)
+            ax.plot(steps, [statistics.fmean(per_step[s]) for s in steps], marker="o", markersize=3, label=r,
+                    linestyle=["-", "--", ":"][i // 10 % 3])  # the colour cycle repeats after 10 rows
     ax.set_xlabel("training step")
     ax.set_ylabel("validation loss (nats/token), mean over seeds")
     ax.grid(alpha=0.3)
