@@ -20,8 +20,8 @@ from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDive
 from aah_lightning.lit.callbacks import Throughput, WindowDiagnostics
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
-from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.distributed import shutdown_process_group
+from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
 
 

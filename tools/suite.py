@@ -112,7 +112,7 @@ def fmt(mean: float, std: float, digits: int = 4) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
+def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["row", "seed", "wall_s", *COLUMNS])
         writer.writeheader()
@@ -121,8 +121,8 @@ def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
     base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
     lines = [
-        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | gain in last val interval | ACR | causal coverage | block density | "
-        "attention-mass coverage | tokens/s |",
+        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | gain in last val interval | ACR | "
+        "causal coverage | block density | attention-mass coverage | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -144,7 +144,7 @@ def write_outputs(out: str, records: list[dict], rows: list[str]) -> str:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
     plot(out, by_row)
-    plot_curves(out, by_row)
+    plot_curves(out, by_row, curves)
     return table
 
 
@@ -169,7 +169,7 @@ def plot(out: str, by_row: dict[str, list[dict]]) -> None:
     plt.close(fig)
 
 
-def plot_curves(out: str, by_row: dict[str, list[dict]]) -> None:
+def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str, int], list]) -> None:
     """Validation loss against step, mean over each row's seeds: shows whether the runs had flattened."""
     import matplotlib
 
@@ -180,7 +180,7 @@ def plot_curves(out: str, by_row: dict[str, list[dict]]) -> None:
     for i, (r, recs) in enumerate(by_row.items()):
         per_step: dict[int, list[float]] = {}
         for x in recs:
-            for step, value in read_scalars(run_dir(out, r, x["seed"])).get("val/loss", []):
+            for step, value in curves[(r, x["seed"])]:
                 per_step.setdefault(step, []).append(value)
         if per_step:
             steps = sorted(per_step)
@@ -222,6 +222,7 @@ def main(argv=None) -> None:
     if args.threads:  # torch reads it at start-up: one setting for every run
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = time.time()
+    curves: dict[tuple[str, int], list] = {}  # (row, seed) -> the run's val/loss series, for the curve plot
 
     def run(path: str, seed: int) -> dict:
         rd = run_dir(args.out, row_name(path), seed)
@@ -239,7 +240,9 @@ def main(argv=None) -> None:
                 f.write(f"{time.time() - t0:.1f}\n")
         with open(done) as f:
             wall = float(f.read())
-        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(read_scalars(rd))}
+        series = read_scalars(rd)
+        curves[(row_name(path), seed)] = series.get("val/loss", [])
+        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(series)}
         print(f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
               f"{wall:.0f} s", flush=True)
         return record
@@ -252,7 +255,7 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
-    print(write_outputs(args.out, records, rows))
+    print(write_outputs(args.out, records, rows, curves))
     print(f"suite wall time: {time.time() - started:.0f} s (this invocation); "
           f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s")
 
