@@ -154,16 +154,30 @@ def plot(out: str, by_row: dict[str, list[dict]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for r, recs in by_row.items():
+    # Left: each row's own loss. Right: the paired difference to the same seed's baseline, where the initialisation
+    # noise (often the larger part of the seed spread) cancels.
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(14, 5.5))
+    base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
+    for i, (r, recs) in enumerate(by_row.items()):
+        colour = f"C{i % 10}"  # the same colour for a row in both panels
         acr, loss = mean_std([x["acr"] for x in recs]), mean_std([x["val_loss"] for x in recs])
         if math.isnan(acr[0]) or math.isnan(loss[0]):
             continue
-        ax.errorbar(acr[0], loss[0], xerr=acr[1], yerr=loss[1], fmt="o", capsize=3)
+        ax.errorbar(acr[0], loss[0], xerr=acr[1], yerr=loss[1], fmt="o", capsize=3, color=colour)
         ax.annotate(r, (acr[0], loss[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        diffs = [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
+        if r != BASELINE and diffs:
+            d = mean_std(diffs)
+            dax.errorbar(acr[0], d[0], xerr=acr[1], yerr=0 if math.isnan(d[1]) else d[1], fmt="o", capsize=3,
+                         color=colour)
+            dax.annotate(r, (acr[0], d[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel("ACR (mean over layers and heads of min(W, T) / T)")
     ax.set_ylabel("final validation loss (nats/token), mean ± std over seeds")
-    ax.grid(alpha=0.3)
+    dax.axhline(0.0, color="grey", linewidth=1)
+    dax.set_xlabel("ACR")
+    dax.set_ylabel("val loss − same seed's baseline (nats/token), mean ± std")
+    for a in (ax, dax):
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "val_loss_vs_acr.png"), dpi=120)
     plt.close(fig)
