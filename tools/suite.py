@@ -112,6 +112,11 @@ def fmt(mean: float, std: float, digits: int = 4) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def paired_diffs(recs: list[dict], base: dict[int, float]) -> list[float]:
+    """Each run's val loss minus the same seed's baseline run: the initialisation noise partly cancels."""
+    return [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
+
+
 def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["row", "seed", "wall_s", *COLUMNS])
@@ -130,9 +135,7 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         if not recs:
             continue
         stats = {c: mean_std([x[c] for x in recs]) for c in COLUMNS}
-        # Paired difference: the same seed's baseline run, so init noise partly cancels.
-        diffs = [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
-        d_mean, d_std = mean_std(diffs) if r != BASELINE else (math.nan, math.nan)
+        d_mean, d_std = mean_std(paired_diffs(recs, base)) if r != BASELINE else (math.nan, math.nan)
         lines.append(
             f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | "
             f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | {fmt(*stats['val_loss_last_gain'])} | "
@@ -143,21 +146,26 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
     table = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
-    plot(out, by_row)
+    plot(out, by_row, base)
     plot_curves(out, by_row, curves)
     return table
 
 
-def plot(out: str, by_row: dict[str, list[dict]]) -> None:
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (the suite runs without a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(out: str, by_row: dict[str, list[dict]], base: dict[int, float]) -> None:
+    plt = pyplot()
     # Left: each row's own loss. Right: the paired difference to the same seed's baseline, where the initialisation
     # noise (often the larger part of the seed spread) cancels.
     fig, (ax, dax) = plt.subplots(1, 2, figsize=(14, 5.5))
-    base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
     for i, (r, recs) in enumerate(by_row.items()):
         colour = f"C{i % 10}"  # the same colour for a row in both panels
         acr, loss = mean_std([x["acr"] for x in recs]), mean_std([x["val_loss"] for x in recs])
@@ -165,7 +173,7 @@ def plot(out: str, by_row: dict[str, list[dict]]) -> None:
             continue
         ax.errorbar(acr[0], loss[0], xerr=acr[1], yerr=loss[1], fmt="o", capsize=3, color=colour)
         ax.annotate(r, (acr[0], loss[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        diffs = [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
+        diffs = paired_diffs(recs, base)
         if r != BASELINE and diffs:
             d = mean_std(diffs)
             dax.errorbar(acr[0], d[0], xerr=acr[1], yerr=0 if math.isnan(d[1]) else d[1], fmt="o", capsize=3,
@@ -185,11 +193,7 @@ def plot(out: str, by_row: dict[str, list[dict]]) -> None:
 
 def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str, int], list]) -> None:
     """Validation loss against step, mean over each row's seeds: shows whether the runs had flattened."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, (r, recs) in enumerate(by_row.items()):
         per_step: dict[int, list[float]] = {}
