@@ -130,3 +130,43 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     assert {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")} == stamps
     assert "val" in capsys.readouterr().out
     assert not math.isnan(float(records[0]["val_loss"]))
+
+    # a run stopped part-way (here: its 'done' marker lost) resumes from its last checkpoint instead of starting over
+    rd = out / "baseline" / "seed0"
+    (rd / "done").unlink()
+    (rd / "started").write_text(f"{os.path.getmtime(rd / 'checkpoints' / 'last.ckpt') - 5.0} 7.0\n")
+    suite.main(["--rows", str(rows_dir), "--seeds", "0", "--only", "baseline", "--out", str(out)])
+    assert "Restored all states from the checkpoint" in (rd / "fit.log").read_text()
+    assert len(list((rd / "logs").glob("events.out.tfevents.*"))) == 2  # the first attempt's events are kept
+    assert float((rd / "done").read_text()) >= 7.0 + 5.0  # earlier attempts' time up to their checkpoint counts
+    with open(out / "results.csv") as f:
+        again = next(csv.DictReader(f))
+    assert float(again["val_loss"]) == pytest.approx(loss["baseline"][0], rel=1e-6)
+
+
+def test_a_resumed_runs_rewritten_steps_come_from_its_newest_events_file(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for stamp, values in ((100, {1: 5.0, 2: 4.0, 3: 3.5}), (200, {3: 3.0, 4: 2.5})):  # two attempts, step 3 in both
+        d = tmp_path / f"attempt{stamp}"
+        with SummaryWriter(str(d)) as w:
+            for step, v in values.items():
+                w.add_scalar("val/loss", v, step)
+        (f,) = d.glob("events.out.tfevents.*")
+        f.rename(logs / f"events.out.tfevents.{stamp}.host.1.0")  # the name carries when the writer opened it
+    assert suite.read_scalars(str(tmp_path / "logs"))["val/loss"] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5)]
+
+
+def test_interrupted_time_counts_each_attempt_up_to_its_checkpoint(tmp_path):
+    assert suite.interrupted_time(str(tmp_path)) is None  # no checkpoint: the run starts over
+    (tmp_path / "checkpoints").mkdir()
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt.write_text("")
+    assert suite.interrupted_time(str(tmp_path)) == 0.0  # a checkpoint, but no record of when the attempt began
+    os.utime(ckpt, (1000.0, 1000.0))
+    (tmp_path / "started").write_text("940.0 30.0\n")
+    assert suite.interrupted_time(str(tmp_path)) == pytest.approx(90.0)
+    (tmp_path / "started").write_text("1100.0 30.0\n")  # an attempt that died before writing a checkpoint
+    assert suite.interrupted_time(str(tmp_path)) == pytest.approx(30.0)

@@ -7,7 +7,8 @@ A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) 
 --model.aah.seed <seed>``, logged to ``<out>/<row>/seed<seed>/``: a seed changes the initialisation and every
 policy's own randomness (random windows, the probe's query sample, random grouping, the paper allocator's networks,
 the shuffles); the data order and split stay fixed (``data.seed``), so all runs see the same batches. Finished runs
-are skipped when the suite is started again, so an interrupted suite resumes. Outputs in ``<out>``: ``results.csv``
+are skipped when the suite is started again, and a run stopped part-way resumes exactly from its last checkpoint
+(``--ckpt_path last``), so an interrupted suite loses at most the steps since each run's last checkpoint. Outputs in ``<out>``: ``results.csv``
 (one line per run), ``results.md`` (mean +- std over seeds per row, difference to the baseline row),
 ``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row).
 """
@@ -75,13 +76,25 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
 
 
 def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)):
+    """Every scalar series of a run. A resumed run has one events file per attempt and re-logs the steps between
+    its checkpoint and the interruption: the newest file's value of a step wins."""
+    series: dict[str, dict[int, float]] = {}
+    paths = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+    for path in sorted(paths, key=events_file_time):
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return {tag: sorted(values) for tag, values in series.items()}
+            series.setdefault(tag, {}).update((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: sorted(values.items()) for tag, values in series.items()}
+
+
+def events_file_time(path: str) -> tuple[float, str]:
+    """events.out.tfevents.<unix time>.<host>...: when the writer opened it (ties broken by name)."""
+    name = os.path.basename(path)
+    try:
+        return float(name.split(".")[3]), name
+    except (IndexError, ValueError):
+        return os.path.getmtime(path), name
 
 
 def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
@@ -213,6 +226,24 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     plt.close(fig)
 
 
+def last_checkpoint(rd: str) -> str:
+    return os.path.join(rd, "checkpoints", "last.ckpt")
+
+
+def interrupted_time(rd: str):
+    """For a run that was stopped part-way (a suite killed, a job pre-empted) and left a last checkpoint: the
+    seconds its earlier attempts spent up to that checkpoint (work after it is redone on resume). None when there is
+    no checkpoint to resume from."""
+    ckpt, started = last_checkpoint(rd), os.path.join(rd, "started")
+    if not os.path.exists(ckpt):
+        return None
+    if not os.path.exists(started):
+        return 0.0  # written by a suite that did not record attempt times: the earlier time is unknown
+    with open(started) as f:
+        t0, before = map(float, f.read().split())
+    return before + max(0.0, os.path.getmtime(ckpt) - t0)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", required=True, help="folder with base.yaml and one yaml per row")
@@ -245,17 +276,26 @@ def main(argv=None) -> None:
     def run(path: str, seed: int) -> dict:
         rd = run_dir(args.out, row_name(path), seed)
         done = os.path.join(rd, "done")
-        if args.rerun or not os.path.exists(done):
-            shutil.rmtree(rd, ignore_errors=True)  # a half-finished run starts clean
-            os.makedirs(rd)
+        if args.rerun:
+            shutil.rmtree(rd, ignore_errors=True)
+        if not os.path.exists(done):
+            before = interrupted_time(rd)  # None: no checkpoint to resume from
+            if before is None:
+                shutil.rmtree(rd, ignore_errors=True)  # nothing worth keeping: start clean
+                os.makedirs(rd)
+                before = 0.0
             t0 = time.time()
-            with open(os.path.join(rd, "fit.log"), "w") as log:
-                cmd = fit_command(args.rows, path, seed, args.out, extra)
+            with open(os.path.join(rd, "started"), "w") as f:
+                f.write(f"{t0} {before}\n")
+            cmd = fit_command(args.rows, path, seed, args.out, extra)
+            if os.path.exists(last_checkpoint(rd)):
+                cmd += ["--ckpt_path", "last"]  # an exact resume: same batches, same window decisions
+            with open(os.path.join(rd, "fit.log"), "a") as log:
                 result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             if result.returncode != 0:
                 raise RuntimeError(f"{row_name(path)} seed {seed} failed (exit {result.returncode}); see {rd}/fit.log")
             with open(done, "w") as f:
-                f.write(f"{time.time() - t0:.1f}\n")
+                f.write(f"{before + time.time() - t0:.1f}\n")
         with open(done) as f:
             wall = float(f.read())
         series = read_scalars(rd)
