@@ -12,8 +12,8 @@ sys.path.insert(0, str(ROOT / "tools"))  # compare_suites imports suite as a sib
 spec = importlib.util.spec_from_file_location("compare_suites", ROOT / "tools" / "compare_suites.py")
 compare_suites = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare_suites)
-FIELDS = ["row", "seed", "wall_s", "val_loss", "val_ppl", "val_loss_last_gain", "acr", "causal_coverage",
-          "block_density", "attention_mass_coverage", "tokens_per_sec"]
+import suite  # noqa: E402  (tools/ is on the path now)
+FIELDS = ["row", "seed", "wall_s", *suite.COLUMNS]  # the columns tools/suite.py writes
 
 
 def write(folder: Path, rows: dict[tuple[str, int], tuple[float, float]]) -> Path:

@@ -98,7 +98,8 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     lines = (out / "results.md").read_text().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == ["row", "seeds", "val loss", "val ppl", "Δ val loss vs baseline", "gain in last val interval",
-                      "ACR", "ACR, mean over the run", "causal coverage", "block density", "attention-mass coverage", "tokens/s"]
+                      "ACR", "ACR, mean over the run", "causal coverage", "block density", "attention-mass coverage",
+                      "tokens/s"]
     body = {cell(line, 0): line for line in lines[2:]}
     assert set(body) == set(ROWS)
     loss = {r: [last(events[(r, s)], "val/loss") for s in SEEDS] for r in ROWS}

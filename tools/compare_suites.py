@@ -17,7 +17,7 @@ import os
 import shlex
 import sys
 
-from suite import BASELINE, mean_std
+from suite import BASELINE, mean_std, paired_diffs
 
 
 def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
@@ -30,12 +30,16 @@ def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
 
 
 def paired(results: dict, row: str, seeds: list[int]) -> list[float]:
-    return [results[(row, s)]["val_loss"] - results[(BASELINE, s)]["val_loss"] for s in seeds]
+    """The row's paired differences to the baseline (suite.paired_diffs), for these seeds in this order."""
+    recs = [{"seed": s, "val_loss": results[(row, s)]["val_loss"]} for s in seeds]
+    return paired_diffs(recs, {s: results[(BASELINE, s)]["val_loss"] for s in seeds})
 
 
 def pm(values: list[float], signed: bool = True, digits: int = 3) -> str:
     m, s = mean_std(values)
-    return "–" if math.isnan(m) else f"{m:+.{digits}f} ± {s:.{digits}f}" if signed else f"{m:.{digits}f} ± {s:.{digits}f}"
+    if math.isnan(m):
+        return "–"
+    return f"{m:{'+' if signed else ''}.{digits}f} ± {s:.{digits}f}"
 
 
 def compare(a: dict, b: dict, names: tuple[str, str]) -> str:
@@ -61,9 +65,9 @@ def compare(a: dict, b: dict, names: tuple[str, str]) -> str:
             pm(da), pm(db), pm([y - x for x, y in zip(da, db)]), " / ".join(f"{d:+.3f}" for d in db)]
         lines.append(
             f"| {r} | {len(seeds)} | " + " | ".join(delta_cells) + " | "
-            f"{pm([a[(r, s)]['val_loss'] for s in seeds], False)} | {pm([b[(r, s)]['val_loss'] for s in seeds], False)} | "
-            f"{pm([a[(r, s)]['val_loss_last_gain'] for s in seeds], False)} | "
-            f"{pm([b[(r, s)]['val_loss_last_gain'] for s in seeds], False)} |"
+            + " | ".join(pm([results[(r, s)][column] for s in seeds], signed=False)
+                         for column in ("val_loss", "val_loss_last_gain") for results in (a, b))
+            + " |"
         )
     only = sorted({r for r, _ in a} ^ {r for r, _ in b})
     notes = [f"Rows in one suite only: {', '.join(only)}."] if only else []

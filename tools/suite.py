@@ -8,9 +8,9 @@ A rows folder holds ``base.yaml`` (the shared model, data and trainer settings) 
 policy's own randomness (random windows, the probe's query sample, random grouping, the paper allocator's networks,
 the shuffles); the data order and split stay fixed (``data.seed``), so all runs see the same batches. Finished runs
 are skipped when the suite is started again, and a run stopped part-way resumes exactly from its last checkpoint
-(``--ckpt_path last``), so an interrupted suite loses at most the steps since each run's last checkpoint. Outputs in ``<out>``: ``results.csv``
-(one line per run), ``results.md`` (mean +- std over seeds per row, difference to the baseline row),
-``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row).
+(``--ckpt_path last``), so an interrupted suite loses at most the steps since each run's last checkpoint. Outputs in
+``<out>``: ``results.csv`` (one line per run), ``results.md`` (mean +- std over seeds per row, difference to the
+baseline row), ``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ def run_dir(out: str, row: str, seed: int) -> str:
     return os.path.join(out, row, f"seed{seed}")
 
 
+def checkpoint_dir(rd: str) -> str:
+    return os.path.join(rd, "checkpoints")
+
+
 def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[str]) -> list[str]:
     row, rd = row_name(row_path), run_dir(out, row_name(row_path), seed)
     return [
@@ -71,7 +75,7 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
         f"--trainer.logger.init_args.save_dir={os.path.join(out, row)}",
         f"--trainer.logger.init_args.name=seed{seed}",
         "--trainer.logger.init_args.version=logs",
-        f"--checkpoint.dirpath={os.path.join(rd, 'checkpoints')}",
+        f"--checkpoint.dirpath={checkpoint_dir(rd)}",
         "--trainer.enable_progress_bar=false",
         *extra,
     ]
@@ -156,7 +160,8 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         d_mean, d_std = mean_std(paired_diffs(recs, base)) if r != BASELINE else (math.nan, math.nan)
         lines.append(
             f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | "
-            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | {fmt(*stats['val_loss_last_gain'])} | "
+            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | "
+            f"{fmt(*stats['val_loss_last_gain'])} | "
             f"{fmt(*stats['acr'], 3)} | {fmt(*stats['acr_mean'], 3)} | "
             f"{fmt(*stats['causal_coverage'], 3)} | {fmt(*stats['block_density'], 3)} | "
             f"{fmt(*stats['attention_mass_coverage'], 3)} | {fmt(*stats['tokens_per_sec'], 0)} |"
@@ -231,15 +236,11 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     plt.close(fig)
 
 
-def last_checkpoint(rd: str) -> str:
-    return os.path.join(rd, "checkpoints", "last.ckpt")
-
-
 def interrupted_time(rd: str):
     """For a run that was stopped part-way (a suite killed, a job pre-empted) and left a last checkpoint: the
     seconds its earlier attempts spent up to that checkpoint (work after it is redone on resume). None when there is
     no checkpoint to resume from."""
-    ckpt, started = last_checkpoint(rd), os.path.join(rd, "started")
+    ckpt, started = os.path.join(checkpoint_dir(rd), "last.ckpt"), os.path.join(rd, "started")
     if not os.path.exists(ckpt):
         return None
     if not os.path.exists(started):
@@ -285,7 +286,8 @@ def main(argv=None) -> None:
             shutil.rmtree(rd, ignore_errors=True)
         if not os.path.exists(done):
             before = interrupted_time(rd)  # None: no checkpoint to resume from
-            if before is None:
+            resume = before is not None
+            if not resume:
                 shutil.rmtree(rd, ignore_errors=True)  # nothing worth keeping: start clean
                 os.makedirs(rd)
                 before = 0.0
@@ -293,7 +295,7 @@ def main(argv=None) -> None:
             with open(os.path.join(rd, "started"), "w") as f:
                 f.write(f"{t0} {before}\n")
             cmd = fit_command(args.rows, path, seed, args.out, extra)
-            if os.path.exists(last_checkpoint(rd)):
+            if resume:
                 cmd += ["--ckpt_path", "last"]  # an exact resume: same batches, same window decisions
             with open(os.path.join(rd, "fit.log"), "a") as log:
                 result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
