@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _resume_helpers import read_run
+from tb import read_events
 from aah_lightning.cli import main
 from aah_lightning.data import corpora
 from aah_lightning.data.synthetic import synthetic_documents
@@ -25,6 +26,7 @@ def _run(tiny_args, folder, *extra):
         f"--checkpoint.dirpath={folder}/ckpt",
         "--trainer.callbacks+=_resume_helpers.Recorder",
         f"--trainer.callbacks.folder={folder}/rec",
+        f"--trainer.logger.init_args.save_dir={folder}/runs",
         *extra,
         steps=STEPS,
     )
@@ -72,6 +74,22 @@ def test_map_style_resume_is_exact(tmp_path, tiny_args):
     # The checkpoint records the data layout the position depends on.
     layout = torch.load(tmp_path / "parts/ckpt/last.ckpt", weights_only=True)["TextDataModule"]["layout"]
     assert layout["batch_size"] == 4 and layout["accumulate_grad_batches"] == 2 and layout["world_size"] == 1
+
+
+def _amc(folder) -> dict[int, float]:
+    """The logged attention-mass coverage by step; where a resumed run repeats steps, its later values win."""
+    return dict(read_events(folder / "runs")["scalars"]["aah/attention_mass_coverage"])
+
+
+def test_resumed_run_logs_the_same_attention_mass_coverage(tmp_path, tiny_args):
+    # The probe samples its query positions from the callback's own generator, saved in the checkpoint.
+    amc = ["--diagnostics.amc_every_n_steps=1", "--diagnostics.amc_queries=4"]  # 4 of 32 positions: a real sample
+    main(_run(tiny_args, tmp_path / "whole", *amc))
+    _interrupted_then_resumed(tiny_args, tmp_path / "parts", *amc)
+    whole, parts = _amc(tmp_path / "whole"), _amc(tmp_path / "parts")
+    assert sorted(whole) == sorted(parts) and len(whole) >= STEPS
+    assert len(set(whole.values())) > 1  # a sample that changes from step to step, so a restart would show
+    assert [parts[s] for s in sorted(parts)] == pytest.approx([whole[s] for s in sorted(whole)], rel=1e-6)
 
 
 def _fake_hub(monkeypatch, n_shards=3):

@@ -234,6 +234,17 @@ class WindowDiagnostics(L.Callback):
         if amc is not None:
             self.log_amc(trainer, amc, step)
 
+    # -- checkpoint ------------------------------------------------------------------------------------------------
+    # A resumed run logs what an uninterrupted one would: the probe's query sample continues, and the step already
+    # logged before the checkpoint is not logged again from the next step's first micro-batch.
+    def state_dict(self) -> dict:
+        return {"amc_generator": self._generator.get_state(), "last_step": self._last_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "amc_generator" in state_dict:  # checkpoints written before it was saved: the sample restarts from the seed
+            self._generator.set_state(state_dict["amc_generator"])
+            self._last_step = state_dict["last_step"]
+
     # -- what -----------------------------------------------------------------------------------------------------
     def table_scalars(self, pl_module, table: torch.Tensor, seq_len: int) -> dict[str, float]:
         """The scalars of one table (model-wide and, with ``per_layer``, per layer)."""
