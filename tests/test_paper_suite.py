@@ -176,3 +176,11 @@ def test_interrupted_time_counts_each_attempt_up_to_its_checkpoint(tmp_path):
     assert suite.interrupted_time(str(tmp_path)) == pytest.approx(90.0)
     (tmp_path / "started").write_text("1100.0 30.0\n")  # an attempt that died before writing a checkpoint
     assert suite.interrupted_time(str(tmp_path)) == pytest.approx(30.0)
+
+
+def test_the_curve_plot_averages_only_steps_every_seed_logged():
+    # seed 1's point at step 2 was lost (its run was killed during that validation and resumed after it)
+    steps, means = suite.mean_curve([[(1, 3.0), (2, 2.0), (3, 1.0)], [(1, 5.0), (3, 2.0)]])
+    assert steps == [1, 3]
+    assert means == [4.0, 1.5]
+    assert suite.mean_curve([]) == ([], [])

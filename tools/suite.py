@@ -214,18 +214,25 @@ def plot(out: str, by_row: dict[str, list[dict]], base: dict[int, float]) -> Non
     plt.close(fig)
 
 
+def mean_curve(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float]]:
+    """The mean over seeds at each step that every seed logged. A run killed during the validation that follows a
+    checkpoint loses that point (the resume starts after it); it must not bend the mean toward the other seeds."""
+    per_step: dict[int, list[float]] = {}
+    for one in series:
+        for step, value in one:
+            per_step.setdefault(step, []).append(value)
+    steps = sorted(s for s, values in per_step.items() if len(values) == len(series))
+    return steps, [statistics.fmean(per_step[s]) for s in steps]
+
+
 def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str, int], list]) -> None:
     """Validation loss against step, mean over each row's seeds: shows whether the runs had flattened."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, (r, recs) in enumerate(by_row.items()):
-        per_step: dict[int, list[float]] = {}
-        for x in recs:
-            for step, value in curves[(r, x["seed"])]:
-                per_step.setdefault(step, []).append(value)
-        if per_step:
-            steps = sorted(per_step)
-            ax.plot(steps, [statistics.fmean(per_step[s]) for s in steps], marker="o", markersize=3, label=r,
+        steps, means = mean_curve([curves[(r, x["seed"])] for x in recs])
+        if steps:
+            ax.plot(steps, means, marker="o", markersize=3, label=r,
                     linestyle=["-", "--", ":"][i // 10 % 3])  # the colour cycle repeats after 10 rows
     ax.set_xlabel("training step")
     ax.set_ylabel("validation loss (nats/token), mean over seeds")
