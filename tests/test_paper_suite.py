@@ -179,7 +179,7 @@ def test_interrupted_time_counts_each_attempt_up_to_its_checkpoint(tmp_path):
 
 
 def test_the_curve_plot_averages_only_steps_every_seed_logged():
-    # seed 1's point at step 2 was lost (its run was killed during that validation and resumed after it)
+    # seed 1's point at step 2 was lost (its machine stopped before it reached the disk; the resume started after it)
     steps, means = suite.mean_curve([[(1, 3.0), (2, 2.0), (3, 1.0)], [(1, 5.0), (3, 2.0)]])
     assert steps == [1, 3]
     assert means == [4.0, 1.5]

@@ -215,8 +215,8 @@ def plot(out: str, by_row: dict[str, list[dict]], base: dict[int, float]) -> Non
 
 
 def mean_curve(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float]]:
-    """The mean over seeds at each step that every seed logged. A run killed during the validation that follows a
-    checkpoint loses that point (the resume starts after it); it must not bend the mean toward the other seeds."""
+    """The mean over seeds at each step that every seed logged. A run stopped with its machine can lose the validation
+    point after its last checkpoint (not yet on disk; the resume starts after it): that must not bend the mean."""
     per_step: dict[int, list[float]] = {}
     for one in series:
         for step, value in one:
