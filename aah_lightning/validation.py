@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.checkpointing import load_checkpoint_file
-from aah_lightning.model.backends import BackendUnavailable, resolve_backend
+from aah_lightning.model.attention import BackendUnavailable, resolve_backend
 
 # Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
 SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "vocab_size", "mlp_ratio", "bias")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from aah_lightning.model.backends import AttentionPlanner, BackendUnavailable, attend, resolve_backend
+from aah_lightning.model.attention import AttentionPlanner, BackendUnavailable, resolve_backend
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from reference import random_windows, reference_attention
@@ -19,7 +19,7 @@ def qkv(seq_len, heads=5, dim=16, batch=2, dtype=torch.float64, seed=0):
 def run_backend(backend, q, k, v, windows, doc_ids=None):
     table = windows.view(1, -1)
     plan = AttentionPlanner(block_size=128).plans(table, q.shape[2], backend, doc_ids)[0]
-    return attend(q, k, v, plan)
+    return plan(q, k, v)
 
 
 @pytest.mark.parametrize("seq_len", SEQ_LENS + [512])
@@ -51,7 +51,7 @@ def test_full_window_layers_run_causal_and_match():
     w = torch.tensor([33, 40, 1000, 33, 33], dtype=torch.int32)
     plan = AttentionPlanner().plans(w.view(1, -1), 33, "sdpa")[0]
     assert plan.kind == "causal"
-    torch.testing.assert_close(attend(q, k, v, plan), reference_attention(q, k, v, w))
+    torch.testing.assert_close(plan(q, k, v), reference_attention(q, k, v, w))
 
 
 @pytest.mark.heavy

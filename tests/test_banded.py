@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from aah_lightning.model import banded
-from aah_lightning.model.backends import AttentionPlanner, attend, resolve_backend
+from aah_lightning.model.attention import AttentionPlanner, banded, resolve_backend
 from reference import random_windows, reference_attention
 
 
@@ -76,9 +75,9 @@ def test_changing_windows_changes_results():
     q, k, v = random_qkv(1, 3, 260, 8, 0)
     planner = AttentionPlanner()
     table = torch.tensor([[260, 260, 260]], dtype=torch.int32)
-    before = attend(q, k, v, planner.plans(table, 260, "banded")[0])
+    before = planner.plans(table, 260, "banded")[0](q, k, v)
     table.copy_(torch.tensor([[16, 260, 100]]))
-    after = attend(q, k, v, planner.plans(table, 260, "banded")[0])
+    after = planner.plans(table, 260, "banded")[0](q, k, v)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, reference_attention(q, k, v, table[0]))
     torch.testing.assert_close(before[:, 1], after[:, 1])  # the unchanged head
@@ -102,7 +101,7 @@ def test_auto_picks_a_backend_that_runs():
     for T in (64, 300):
         name = resolve_backend("auto", cpu, True, T)
         plan = AttentionPlanner().plans(table, T, name)[0]
-        out = attend(*(x[:, :, :T] for x in (q, k, v)), plan)
+        out = plan(*(x[:, :, :T] for x in (q, k, v)))
         out.sum().backward()
         torch.testing.assert_close(out, reference_attention(*(x[:, :, :T] for x in (q, k, v)), table[0]))
 

@@ -18,7 +18,8 @@ from aah_lightning.lit.callbacks import WindowDiagnostics
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import masks
-from aah_lightning.model.backends import LayerPlan
+from aah_lightning.model.attention.flex import FlexPlan
+from aah_lightning.model.attention.sdpa import CausalPlan, DensePlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from tb import read_events
@@ -93,12 +94,14 @@ def test_static_table_scalars_equal_hand_counts(tmp_path, tiny_args):
 
 def test_block_density_counts_the_blockmask_of_flex_plans():
     table = torch.tensor(STATIC)
-    plans = [LayerPlan("flex", masks.window_block_mask(row.to(torch.int32), T, TILE)) for row in table]
+    plans = [FlexPlan(tuple(row.tolist()), T, masks.window_block_mask(row.to(torch.int32), T, TILE)) for row in table]
     density, sources = diag.plan_block_density(plans, table, T, TILE)
     assert sources == ["blockmask", "blockmask"]
     assert density == pytest.approx([sum(TILES[0]) / 40, sum(TILES[1]) / 40])
     # dense / causal plans have no BlockMask: the analytic count of the same row gives the same numbers
-    density, sources = diag.plan_block_density([LayerPlan("dense"), LayerPlan("causal")], table, T, TILE)
+    density, sources = diag.plan_block_density(
+        [DensePlan(tuple(table[0].tolist()), T, None), CausalPlan(tuple(table[1].tolist()), T)], table, T, TILE
+    )
     assert sources == ["analytic", "analytic"]
     assert density == pytest.approx([sum(TILES[0]) / 40, sum(TILES[1]) / 40])
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from aah_lightning.model import backends, masks
-from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, balanced_order
+from aah_lightning.model import masks
+from aah_lightning.model.attention import AttentionPlanner
+from aah_lightning.model.attention import flex
+from aah_lightning.model.attention.flex import FlexPlan, balanced_order
 
 from reference import reference_attention
 from test_banded import random_qkv
@@ -44,31 +46,31 @@ def test_balanced_order_splits_work_evenly():
 def test_cpu_flex_plan_runs_heads_in_balanced_order(monkeypatch):
     T = 1024
     table = torch.tensor([[64, 128, 256, 512, 1024, 1024, 1024, 1024]], dtype=torch.int32)
-    monkeypatch.setattr(backends.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(flex.torch, "get_num_threads", lambda: 2)
     plan = AttentionPlanner().plans(table, T, "flex")[0]
     assert plan.order is not None and plan.order.tolist() != list(range(8))
     # the BlockMask follows the order: head i of the mask is head order[i] of the layer
-    assert torch.equal(plan.mask.kv_num_blocks[0], masks.window_block_mask(table[0], T).kv_num_blocks[0][plan.order])
+    assert torch.equal(plan.block_mask.kv_num_blocks[0], masks.window_block_mask(table[0], T).kv_num_blocks[0][plan.order])
     # eager flex (no compile) on the permuted heads gives the reference in the layer's order
     q, k, v = (x.detach() for x in random_qkv(1, 8, T, 16, 0, torch.float32))
     with torch.no_grad():
         perm = [x.index_select(1, plan.order) for x in (q, k, v)]
-        out = flex_attention(*perm, block_mask=plan.mask).index_select(1, plan.inverse)
+        out = flex_attention(*perm, block_mask=plan.block_mask).index_select(1, plan.inverse)
         ref = reference_attention(q, k, v, table[0])
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_head_order_only_when_it_helps():
     T, increasing = 4096, torch.tensor([512, 512, 1024, 2048, 4096, 4096], dtype=torch.int32)
-    assert backends.cpu_head_order(increasing, T, 128, threads=1) is None  # one thread: nothing to balance
-    order = backends.cpu_head_order(increasing, T, 128, threads=2)
+    assert flex.cpu_head_order(increasing, T, 128, threads=1) is None  # one thread: nothing to balance
+    order = flex.cpu_head_order(increasing, T, 128, threads=2)
     assert order is not None
     partial, full = masks.window_tiles(increasing, T, 128)
     items = (partial | full).sum(-1)
-    assert backends.cpu_makespan(items[order], 2) < 0.8 * backends.cpu_makespan(items, 2)
+    assert flex.cpu_makespan(items[order], 2) < 0.8 * flex.cpu_makespan(items, 2)
     interleaved = torch.tensor([4096, 512, 2048, 4096, 512, 1024], dtype=torch.int32)
-    assert backends.cpu_head_order(interleaved, T, 128, threads=2) is None  # already balanced: no copies
-    assert backends.cpu_head_order(torch.full((6,), 512, dtype=torch.int32), T, 128, threads=2) is None
+    assert flex.cpu_head_order(interleaved, T, 128, threads=2) is None  # already balanced: no copies
+    assert flex.cpu_head_order(torch.full((6,), 512, dtype=torch.int32), T, 128, threads=2) is None
 
 
 @pytest.mark.heavy
@@ -76,13 +78,13 @@ def test_compiled_flex_balanced_equals_unbalanced_and_reference():
     T = 512
     row = torch.tensor([1, 37, 128, 200, 300, 512, 700, 512], dtype=torch.int32)
     q, k, v = (x.detach() for x in random_qkv(2, 8, T, 16, 1, torch.float32))
-    order = torch.tensor(backends.balanced_order([float(min(w, T)) for w in row.tolist()], threads=2))
+    order = torch.tensor(flex.balanced_order([float(min(w, T)) for w in row.tolist()], threads=2))
     assert order.tolist() != list(range(8))
-    balanced = LayerPlan("flex", masks.window_block_mask(row[order], T), order, torch.argsort(order))
-    plain = LayerPlan("flex", masks.window_block_mask(row, T))
+    balanced = FlexPlan(tuple(row.tolist()), T, masks.window_block_mask(row[order], T), order, torch.argsort(order))
+    plain = FlexPlan(tuple(row.tolist()), T, masks.window_block_mask(row, T))
     with torch.no_grad():
-        a = attend(q, k, v, balanced)
-        b = attend(q, k, v, plain)
+        a = balanced(q, k, v)
+        b = plain(q, k, v)
         ref = reference_attention(q, k, v, row)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.double(), ref, atol=2e-5, rtol=2e-5)

@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from aah_lightning.aah import metrics
-from aah_lightning.model import banded, masks
-from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, compiled_flex_attention
+from aah_lightning.model import masks
+from aah_lightning.model.attention import AttentionPlanner, banded
+from aah_lightning.model.attention.flex import FlexPlan, compiled_flex_attention
+from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -92,6 +94,11 @@ def window_mix(seq_len: int, heads: int, shares=PAPER_MIX) -> torch.Tensor:
     return torch.tensor([c for c, n in zip(cands, counts) for _ in range(n)], dtype=torch.int32)
 
 
+def flex_plan(row: torch.Tensor, seq_len: int, device) -> FlexPlan:
+    """A flex plan with the heads in the given order (no balancing)."""
+    return FlexPlan(tuple(row.tolist()), seq_len, masks.window_block_mask(row.to(device), seq_len))
+
+
 def md_table(title: str, header: list[str], rows: list[list]) -> str:
     lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -118,18 +125,18 @@ def section_a(args, device, dtype) -> str:
 
         def fwd_bwd(plan):
             def run():
-                out = attend(qg, kg, vg, plan)
+                out = plan(qg, kg, vg)
                 out.backward(torch.ones_like(out))
                 qg.grad = kg.grad = vg.grad = None
 
             return run
 
         planner = AttentionPlanner()
-        fns = {"sdpa causal": fwd_bwd(LayerPlan("causal"))}
+        fns = {"sdpa causal": fwd_bwd(CausalPlan(tuple(full_row.tolist()), T))}
         for name in ["banded", "sdpa"] + (["flex"] if device.type == "cuda" else []):
             fns[name] = fwd_bwd(planner.plans(row.view(1, -1).to(device), T, name)[0])
         if device.type == "cuda":
-            fns["flex causal"] = fwd_bwd(LayerPlan("flex", masks.window_block_mask(full_row.to(device), T)))
+            fns["flex causal"] = fwd_bwd(flex_plan(full_row, T, device))
         results = timeit(fns, device, args.repeats)
         causal = results["sdpa causal"]
         c = med(causal)
@@ -150,18 +157,18 @@ def section_a(args, device, dtype) -> str:
 
         # Inference (forward only): compiled flex tracks block density, whatever the head order.
         with torch.no_grad():
-            flex_full = LayerPlan("flex", masks.window_block_mask(full_row.to(device), T))
-            as_given = LayerPlan("flex", masks.window_block_mask(row.to(device), T))
+            flex_full = flex_plan(full_row, T, device)
+            as_given = flex_plan(row, T, device)
             planned = AttentionPlanner().plans(row.view(1, -1).to(device), T, "flex")[0]
             band_plan = AttentionPlanner().plans(row.view(1, -1).to(device), T, "banded")[0]
             qc, kc, vc = (x.contiguous() for x in (q, k, v))
             fwd = timeit(
                 {
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                    "flex causal": lambda: attend(qc, kc, vc, flex_full),
-                    "given": lambda: attend(qc, kc, vc, as_given),
-                    "planned": lambda: attend(qc, kc, vc, planned),
-                    "banded": lambda: attend(q, k, v, band_plan),
+                    "flex causal": lambda: flex_full(qc, kc, vc),
+                    "given": lambda: as_given(qc, kc, vc),
+                    "planned": lambda: planned(qc, kc, vc),
+                    "banded": lambda: band_plan(q, k, v),
                 },
                 device,
                 args.repeats,

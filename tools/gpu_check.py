@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from aah_lightning.model import masks  # noqa: E402
-from aah_lightning.model.backends import compiled_flex_attention  # noqa: E402
+from aah_lightning.model.attention.flex import compiled_flex_attention  # noqa: E402
 from aah_lightning.model.config import GPTConfig  # noqa: E402
 from aah_lightning.model.gpt import GPT  # noqa: E402
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from aah_lightning.aah import metrics
 from aah_lightning.aah.controller.hierarchy import Hierarchy
-from aah_lightning.model import masks
+from aah_lightning.model import window_math
 
 
 # -- per-layer values of a table ----------------------------------------------------------------------------------
@@ -44,19 +44,16 @@ def layer_block_density(table: Tensor, seq_len: int, block_size: int) -> list[fl
 def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size: int) -> tuple[list[float], list[str]]:
     """Block density per layer from the plans a forward used, and where each value came from.
 
-    A ``flex`` plan holds the BlockMask the kernel ran with: its tiles are counted (``"blockmask"``). Other plans
-    (fused causal, dense SDPA mask, banded) have no BlockMask; they get the analytic tile count of the same row at the
-    model's tile size (``"analytic"``) - the work FlexAttention would do with that table.
+    Each plan reports its own tiles (``Plan.tile_counts``): counted on the BlockMask its kernel ran with
+    (``"blockmask"``), or the analytic count of its row at the model's tile size (``"analytic"``) - the work a
+    block-sparse kernel would do with that table. A missing plan (None: plans that depend on each batch) gets the
+    analytic count of the table's row.
     """
-    values, sources = [], []
-    for layer, plan in enumerate(plans):
-        if getattr(plan, "kind", None) == "flex" and plan.mask is not None and hasattr(plan.mask, "kv_num_blocks"):
-            values.append(float(masks.block_density(plan.mask)))
-            sources.append("blockmask")
-        else:
-            values.append(float(metrics.block_density(table[layer].view(1, -1), seq_len, block_size)))
-            sources.append("analytic")
-    return values, sources
+    counts = [
+        window_math.tile_counts(table[layer], seq_len, block_size) if plan is None else plan.tile_counts(block_size)
+        for layer, plan in enumerate(plans)
+    ]
+    return [c.density for c in counts], [c.source for c in counts]
 
 
 def fraction_windows(table: Tensor, candidates: Sequence[int]) -> list[int]:

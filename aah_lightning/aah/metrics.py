@@ -12,35 +12,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aah_lightning.model.masks import window_tiles
+# Pairs, coverage and tiles are counted in one place (model/window_math.py); the run's metrics re-export them.
+from aah_lightning.model.window_math import block_density, causal_coverage, causal_pairs
 
-
-def _clipped(windows: Tensor, seq_len: int) -> Tensor:
-    return torch.clamp(windows.to(torch.float64), max=seq_len)
+__all__ = ["acr", "block_density", "causal_coverage", "causal_pairs", "window_fractions"]
 
 
 def acr(windows: Tensor, seq_len: int) -> Tensor:
     """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len``."""
-    return (_clipped(windows, seq_len) / seq_len).mean()
-
-
-def causal_pairs(windows: Tensor, seq_len: int) -> Tensor:
-    """Number of (query, key) pairs a head with window W attends to over a length-T sequence."""
-    w = _clipped(windows, seq_len)
-    return w * (w + 1) / 2 + (seq_len - w) * w
-
-
-def causal_coverage(windows: Tensor, seq_len: int) -> Tensor:
-    """Allowed causal pairs / all causal pairs, over every head of the table."""
-    return causal_pairs(windows, seq_len).mean() / (seq_len * (seq_len + 1) / 2)
-
-
-def block_density(windows: Tensor, seq_len: int, block_size: int = 128) -> Tensor:
-    """Non-empty (partial + full) tiles / causal tiles over every head, for the analytic BlockMask of the table."""
-    table = windows.reshape(-1, windows.shape[-1])
-    used = sum(sum(t.sum() for t in window_tiles(row, seq_len, block_size)) for row in table)
-    n = -(-seq_len // block_size)
-    return used.to(torch.float64) / (table.numel() * n * (n + 1) / 2)
+    return (torch.clamp(windows.to(torch.float64), max=seq_len) / seq_len).mean()
 
 
 def window_fractions(windows: Tensor, candidates: list[int]) -> dict[int, Tensor]:

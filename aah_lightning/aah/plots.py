@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aah_lightning.model import masks
+from aah_lightning.model import masks, window_math
 
 DPI = 100
 
@@ -123,7 +123,7 @@ def mask_figure(windows_row: Tensor, head: int, seq_len: int, block_size: int, l
     mask = head_mask(windows_row, head, seq_len)
     window = int(windows_row[head])
     pairs, causal = int(mask.sum()), seq_len * (seq_len + 1) // 2
-    partial, full = masks.window_tiles(windows_row[head : head + 1].to(torch.int64), seq_len, block_size)
+    partial, full = window_math.window_tiles(windows_row[head : head + 1].to(torch.int64), seq_len, block_size)
     n = partial.shape[-1]
     tiles = int((partial | full).sum())
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.window_math import window_pairs
 
 
 def matmul_weights(cfg: GPTConfig) -> int:
@@ -24,12 +25,6 @@ def matmul_weights(cfg: GPTConfig) -> int:
     c, hidden = cfg.n_embd, int(cfg.mlp_ratio * cfg.n_embd)
     per_layer = c * 3 * c + c * c + c * hidden + hidden * c
     return cfg.n_layer * per_layer + cfg.vocab_size * c
-
-
-def window_pairs(window: int, seq_len: int) -> int:
-    """(query, key) pairs a head with window ``window`` attends to over ``seq_len`` tokens (exact integer)."""
-    w = min(int(window), seq_len)
-    return w * (w + 1) // 2 + (seq_len - w) * w
 
 
 def attention_pairs(rows: Iterable[Iterable[int]], seq_len: int) -> int:

@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 from aah_lightning.errors import ConfigError, require
-
-BACKENDS = ("auto", "flex", "sdpa", "banded")
+from aah_lightning.model.attention import backend_names
 
 
 @dataclass
@@ -17,7 +16,7 @@ class GPTConfig:
     mlp_ratio: float = 4.0
     bias: bool = False
     rope_base: float = 10000.0
-    # Attention execution (same semantics everywhere; see model/backends.py).
+    # Attention execution (same semantics everywhere; see model/attention/).
     backend: str = "auto"
     block_size: int = 128  # BlockMask tile size for flex
     document_mask: bool = False  # queries see only keys of their own document
@@ -37,7 +36,7 @@ class GPTConfig:
                 f"head size n_embd/n_head={head_dim} is odd: RoPE rotates channel pairs, so the head size must be even "
                 f"(model.n_embd={self.n_embd}, model.n_head={self.n_head})"
             )
-        require(self.backend in BACKENDS, "model.backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        require(self.backend in backend_names(), "model.backend", self.backend, f"one of {', '.join(backend_names())}")
         require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "a positive number")
 
     @property

@@ -6,7 +6,7 @@ wants it).
 
 The window table ``windows: int32[n_layer, n_head]`` is a persistent buffer, so every state_dict and checkpoint
 carries it. Policies and the AAH controller write it in place (``set_windows``); attention plans follow on the next
-forward (model/backends.py) and nothing recompiles.
+forward (model/attention/) and nothing recompiles.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, resolve_backend
+from aah_lightning.model.attention import AttentionPlanner, Plan, resolve_backend
 from aah_lightning.model.config import GPTConfig
 
 
@@ -58,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them.
         self.capture: list | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # under autocast q is bf16; keep it so
@@ -67,7 +67,7 @@ class CausalSelfAttention(nn.Module):
             self.capture.append((q.detach(), k.detach(), v.detach()))
         # v is a strided view into the qkv output; inside a compiled block, CPU flex reads such a view wrongly
         # (pytorch#157612, q/k/v of one buffer). One copy per layer is cheap against attention.
-        y = attend(q, k, v.contiguous(), plan)
+        y = plan(q, k, v.contiguous())
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -91,7 +91,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         x = x + self.attn(self.ln1(x), cos, sin, plan)
         return x + self.mlp(self.ln2(x))
 

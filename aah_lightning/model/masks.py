@@ -12,11 +12,11 @@ derived from it or checked against it in the tests:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from aah_lightning.model.window_math import TileCounts, causal_tiles, window_tiles
 
 # Document ids are padded to a multiple of this so that FlexAttention's padded tile indices never read out of range
 # (pytorch#137801); it covers every allowed block size.
@@ -52,26 +52,6 @@ def dense_mask(mask_mod, batch: int, heads: int, seq_len: int, device) -> Tensor
     q = torch.arange(seq_len, device=device).view(1, 1, seq_len, 1)
     kv = torch.arange(seq_len, device=device).view(1, 1, 1, seq_len)
     return mask_mod(b, h, q, kv).expand(batch, heads, seq_len, seq_len)
-
-
-def window_tiles(windows_row: Tensor, seq_len: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """Tile classes of the causal-window mask, in closed form.
-
-    Returns bool ``(partial, full)`` of shape ``[H, n, n]`` (``n = ceil(T / block_size)``; q tile first): a tile is
-    non-empty iff some pair in it satisfies ``0 <= q - kv < W``, and full iff every pair does (so the kernel can skip
-    the mask_mod there). Padded rows of the last q tile never make a tile full: the last kv tile only meets the
-    diagonal.
-    """
-    n = math.ceil(seq_len / block_size)
-    idx = torch.arange(n, device=windows_row.device)
-    i, j = idx.view(n, 1), idx.view(1, n)
-    w = windows_row.to(torch.int64).view(-1, 1, 1)
-    q_max = torch.clamp(i * block_size + block_size - 1, max=seq_len - 1)
-    closest = (i - j) * block_size - (block_size - 1)  # smallest q - kv inside tile (i, j)
-    farthest = q_max - j * block_size  # largest q - kv inside tile (i, j)
-    nonempty = (j <= i) & (closest < w)
-    full = (j < i) & (farthest < w)
-    return nonempty & ~full, full
 
 
 def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,12 +106,13 @@ def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 
     return build(mask_mod, batch, windows_row.numel(), seq_len, seq_len, device=doc_ids.device, BLOCK_SIZE=block_size)
 
 
-def block_density(block_mask: BlockMask) -> Tensor:
-    """Non-empty (partial + full) tiles / causal tiles, as a 0-dim tensor (no host sync)."""
+def block_mask_tiles(block_mask: BlockMask) -> TileCounts:
+    """Partial and full tiles a BlockMask lists (summed over batch and heads), and the causal tiles of as many heads.
+
+    Reads the mask's tile counts back to the host: for diagnostics at log steps, not the hot path."""
     n_q, n_kv = block_mask.kv_indices.shape[-2:]
-    used = block_mask.kv_num_blocks.sum()
-    if block_mask.full_kv_num_blocks is not None:
-        used = used + block_mask.full_kv_num_blocks.sum()
+    partial = int(block_mask.kv_num_blocks.sum())
+    full = 0 if block_mask.full_kv_num_blocks is None else int(block_mask.full_kv_num_blocks.sum())
     heads = block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
-    causal = n_q * (n_q + 1) // 2 if n_q == n_kv else n_q * n_kv
-    return used.to(torch.float64) / (heads * causal)
+    causal = causal_tiles(n_q, 1) if n_q == n_kv else n_q * n_kv
+    return TileCounts(partial, full, heads * causal, "blockmask")

@@ -1,4 +1,5 @@
-"""Banded attention: per-head causal windows at a cost proportional to T * W, with autograd, from SDPA calls.
+"""``banded``: per-head causal windows at a cost proportional to T * W, with autograd, from SDPA calls. CPU training
+and inference (``auto`` from T = 256 on).
 
 FlexAttention has no backward on CPU, and SDPA with the dense ``[T, T]`` mask of the mask_mod computes every pair
 (~2.3x a causal call at T=4096). This backend computes only a band around the diagonal, with the fused SDPA kernels
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aah_lightning.model.attention.registry import Backend, Plan, register
 from aah_lightning.model.masks import window_mask_mod
 
 # Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
@@ -69,15 +71,23 @@ class HeadGroup:
     body_mask: Tensor | None  # [C, C + W], or [B, n, C, C + W] with documents (they differ per chunk)
 
 
-@dataclass(frozen=True)
-class BandedPlan:
+@dataclass(frozen=True, eq=False)
+class BandedPlan(Plan):
     """A layer's banded execution: head groups in ascending window order, and the permutation that produced it."""
 
+    row: tuple[int, ...]
     seq_len: int
     groups: tuple[HeadGroup, ...]
     order: Tensor | None  # heads in grouped order (index into the layer's heads); None = already grouped
     inverse: Tensor | None  # undoes ``order`` on the output
     batch: int | None = None  # with document masking: the batch size the masks were built for
+    kind = "banded"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return banded_attention(q, k, v, self)
+
+    def computed_pairs(self, block_size: int) -> int:
+        return sum(band_pairs(w, self.seq_len) for w in self.row)
 
 
 def _split(window: int, seq_len: int) -> tuple[int, int, int]:
@@ -167,9 +177,9 @@ def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=
         start = stop
     batch = None if doc_ids is None else doc_ids.shape[0]
     if order == sorted(order):
-        return BandedPlan(seq_len, tuple(groups), None, None, batch)
+        return BandedPlan(tuple(windows), seq_len, tuple(groups), None, None, batch)
     perm = torch.tensor(order, device=device)
-    return BandedPlan(seq_len, tuple(groups), perm, torch.argsort(perm), batch)
+    return BandedPlan(tuple(windows), seq_len, tuple(groups), perm, torch.argsort(perm), batch)
 
 
 def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tensor:
@@ -224,3 +234,11 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tenso
             raise ValueError(f"banded plan built for batch {plan.batch}, called with {q.shape[0]}")
         y = torch.cat([_layer(q[i : i + 1], k[i : i + 1], v[i : i + 1], plan, i) for i in range(plan.batch)])
     return y if plan.inverse is None else y.index_select(1, plan.inverse)
+
+
+@register
+class BandedBackend(Backend):
+    name = "banded"
+
+    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
+        return build_plan(row, seq_len, doc_ids, device)

@@ -1,0 +1,151 @@
+"""The attention backend interface: what a backend is, what its plans answer, and which backend runs where.
+
+A **backend** is one module in this package that defines a ``Backend`` subclass and registers it with
+``@register``. It answers two questions:
+
+* ``available(device, needs_grad) -> Availability``: can it run here (true/false, with the reason when not)?
+* ``build(row, seq_len, doc_ids, device=..., block_size=...) -> Plan``: the executable attention of one layer whose
+  heads have the windows ``row`` (a tuple of ints), built once per window row (or per batch with documents).
+
+A **plan** is callable, ``plan(q, k, v) -> out`` with ``[B, H, T, D]`` tensors, and exactly the attention of
+``masks.window_mask_mod``: query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same
+document). Diagnostics ask a plan what it costs instead of testing its type: ``tile_counts(block_size)`` (partial,
+full and causal tiles), ``pairs()`` (in-window pairs) and ``computed_pairs(block_size)`` (the pairs its kernel
+computes).
+
+``auto`` is decided here and nowhere else (``AUTO_RULES``); a backend that cannot run may name a ``fallback`` that
+runs instead, announced by one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aah_lightning.model.window_math import TileCounts, tile_counts, window_pairs
+
+log = logging.getLogger(__name__)
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here (device / grad mode / missing package)."""
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run; false ones carry the reason, written for the user."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+AVAILABLE = Availability(True)
+
+
+class Plan:
+    """One layer's attention, ready to run. Subclasses set ``kind`` and carry ``row`` (the layer's windows, ints)
+    and ``seq_len``, and implement ``__call__``."""
+
+    kind: str = "plan"
+    row: tuple[int, ...]
+    seq_len: int
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def tile_counts(self, block_size: int) -> TileCounts:
+        """Tiles a block-sparse kernel visits for this layer; analytic at ``block_size`` unless the plan holds the
+        BlockMask its kernel runs with."""
+        return tile_counts(self.row, self.seq_len, block_size)
+
+    def pairs(self) -> int:
+        """In-window causal (query, key) pairs of the layer's heads, per sequence (documents not subtracted)."""
+        return sum(window_pairs(w, self.seq_len) for w in self.row)
+
+    def computed_pairs(self, block_size: int) -> int:
+        """(query, key) pairs the kernel computes per sequence, masked ones included; a tiled kernel computes every
+        pair of each visited tile."""
+        counts = self.tile_counts(block_size)
+        return (counts.partial + counts.full) * block_size * block_size
+
+
+class Backend:
+    """One way to run attention. Subclasses set ``name`` and implement ``build``; ``available`` defaults to
+    everywhere. ``fallback``: the backend to run instead when this one is unavailable (None: refuse)."""
+
+    name: str = ""
+    fallback: str | None = None
+
+    def available(self, device: torch.device, needs_grad: bool) -> Availability:
+        return AVAILABLE
+
+    def build(
+        self, row: tuple[int, ...], seq_len: int, doc_ids: Tensor | None, *, device: torch.device, block_size: int
+    ) -> Plan:
+        raise NotImplementedError
+
+    def cache_key(self, device: torch.device) -> tuple:
+        """What else a cached plan depends on, besides (row, T, device)."""
+        return ()
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: make a backend selectable by its ``name`` (``model.backend``)."""
+    if cls.name in _BACKENDS or cls.name == "auto":
+        raise ValueError(f"attention backend name {cls.name!r} is taken")
+    _BACKENDS[cls.name] = cls()
+    return cls
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(backend_names())}")
+    return _BACKENDS[name]
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend, plus ``auto``."""
+    return ("auto",) + tuple(_BACKENDS)
+
+
+# The ``auto`` rule, per device type: the first (backend, from sequence length) whose backend is available wins.
+# CPU: banded trains and infers fastest from T = 256 on (docs/benchmarks.md: 1.44x tokens/s of full causal at
+# T = 4096, and its forward beats compiled flex without a compile); below, the dense mask wins (too few tokens to
+# amortise banded's extra kernel calls). CUDA: flex, the only CUDA plan measured so far; the split and varlen plans
+# keep their full-window heads on the fused causal kernel and may beat it, which tools/gpu_tune.py decides on a GPU.
+AUTO_RULES: dict[str, tuple[tuple[str, int], ...]] = {
+    "cuda": (("flex", 0),),
+    "cpu": (("banded", 256), ("sdpa", 0)),
+}
+
+_logged: set[str] = set()
+
+
+def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_len: int) -> str:
+    """The backend that runs now for a configured ``model.backend``: ``auto`` by ``AUTO_RULES``; a named backend if
+    available, else its fallback (one log line), else ``BackendUnavailable`` with the reason."""
+    device = torch.device(device)
+    if requested == "auto":
+        for name, min_seq_len in AUTO_RULES.get(device.type, AUTO_RULES["cpu"]):
+            if seq_len >= min_seq_len and get_backend(name).available(device, needs_grad):
+                return name
+        raise BackendUnavailable(f"model.backend=auto: no attention backend runs on {device.type}")
+    backend = get_backend(requested)
+    while not (state := backend.available(device, needs_grad)):
+        if backend.fallback is None:
+            raise BackendUnavailable(state.reason)
+        message = f"model.backend={backend.name} unavailable ({state.reason}); using {backend.fallback}"
+        if message not in _logged:
+            _logged.add(message)
+            log.warning(message)
+        backend = get_backend(backend.fallback)
+    return backend.name

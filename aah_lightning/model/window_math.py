@@ -1,0 +1,102 @@
+"""Counting what a window table costs: pairs, tiles, block density, causal coverage, default candidate windows.
+
+One home for this arithmetic: the metrics the run logs, the FLOP count behind MFU, the BlockMask, the plans'
+diagnostics and the benchmarks all import it from here.
+
+* pairs: a head with window W attends ``pairs(W, T) = W(W+1)/2 + (T-W)W`` (query, key) pairs over T tokens, with
+  ``W = min(W, T)`` - the work a perfect kernel does; full causal is ``T(T+1)/2``.
+* causal coverage: allowed causal pairs / all causal pairs, over every head.
+* tiles: the ``block_size x block_size`` tiles of the ``T x T`` score matrix a block-sparse kernel visits, each
+  *partial* (runs the mask) or *full* (every pair allowed, no mask); *causal* tiles are those of full causal attention.
+* block density: visited (partial + full) tiles / causal tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def default_candidates(seq_len: int) -> list[int]:
+    """The candidate windows policies choose from unless configured: T/8, T/4, T/2 and T (at least 1, no repeats)."""
+    return sorted({max(1, seq_len // 8), max(1, seq_len // 4), max(1, seq_len // 2), seq_len})
+
+
+def window_pairs(window: int, seq_len: int) -> int:
+    """(query, key) pairs a head with window ``window`` attends to over ``seq_len`` tokens (exact integer)."""
+    w = min(int(window), seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def causal_pairs(windows: Tensor, seq_len: int) -> Tensor:
+    """``window_pairs`` of every entry of a window tensor, as float64 (no host sync)."""
+    w = torch.clamp(windows.to(torch.float64), max=seq_len)
+    return w * (w + 1) / 2 + (seq_len - w) * w
+
+
+def causal_coverage(windows: Tensor, seq_len: int) -> Tensor:
+    """Allowed causal pairs / all causal pairs, over every head of the table."""
+    return causal_pairs(windows, seq_len).mean() / (seq_len * (seq_len + 1) / 2)
+
+
+def window_tiles(windows_row: Tensor, seq_len: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """Tile classes of the causal-window mask, in closed form.
+
+    Returns bool ``(partial, full)`` of shape ``[H, n, n]`` (``n = ceil(T / block_size)``; q tile first): a tile is
+    non-empty iff some pair in it satisfies ``0 <= q - kv < W``, and full iff every pair does (so the kernel can skip
+    the mask_mod there). Padded rows of the last q tile never make a tile full: the last kv tile only meets the
+    diagonal.
+    """
+    n = math.ceil(seq_len / block_size)
+    idx = torch.arange(n, device=windows_row.device)
+    i, j = idx.view(n, 1), idx.view(1, n)
+    w = windows_row.to(torch.int64).view(-1, 1, 1)
+    q_max = torch.clamp(i * block_size + block_size - 1, max=seq_len - 1)
+    closest = (i - j) * block_size - (block_size - 1)  # smallest q - kv inside tile (i, j)
+    farthest = q_max - j * block_size  # largest q - kv inside tile (i, j)
+    nonempty = (j <= i) & (closest < w)
+    full = (j < i) & (farthest < w)
+    return nonempty & ~full, full
+
+
+def causal_tiles(seq_len: int, block_size: int) -> int:
+    """Tiles of one head's full causal mask: the lower triangle of the tile grid, diagonal included."""
+    n = math.ceil(seq_len / block_size)
+    return n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class TileCounts:
+    """Tiles a layer's kernel visits, summed over its heads, and the causal tiles of the same heads.
+
+    ``source`` says where the numbers come from: ``"blockmask"`` (counted on the BlockMask the kernel ran with) or
+    ``"analytic"`` (``window_tiles`` of the layer's windows at the model's tile size).
+    """
+
+    partial: int
+    full: int
+    causal: int
+    source: str = "analytic"
+
+    @property
+    def density(self) -> float:
+        """Visited tiles / causal tiles (the block density)."""
+        return (self.partial + self.full) / self.causal
+
+
+def tile_counts(windows_row, seq_len: int, block_size: int) -> TileCounts:
+    """Analytic ``TileCounts`` of one layer (``windows_row``: ints or an int tensor ``[H]``)."""
+    row = torch.as_tensor(windows_row, dtype=torch.int64).reshape(-1).cpu()
+    partial, full = window_tiles(row, seq_len, block_size)
+    return TileCounts(int(partial.sum()), int(full.sum()), row.numel() * causal_tiles(seq_len, block_size))
+
+
+def block_density(windows: Tensor, seq_len: int, block_size: int = 128) -> Tensor:
+    """Non-empty (partial + full) tiles / causal tiles over every head of a table ``[..., H]``, for its analytic
+    BlockMask (a 0-dim float64 tensor on the table's device)."""
+    table = windows.reshape(-1, windows.shape[-1])
+    used = sum(sum(t.sum() for t in window_tiles(row, seq_len, block_size)) for row in table)
+    return used.to(torch.float64) / (table.numel() * causal_tiles(seq_len, block_size))
