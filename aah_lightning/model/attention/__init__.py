@@ -6,7 +6,7 @@ optional); they differ in speed and where they run. ``registry.py`` holds the in
 every backend module, which registers it.
 """
 
-from aah_lightning.model.attention import banded, flex, sdpa  # noqa: F401  (registers the backends)
+from aah_lightning.model.attention import banded, flex, sdpa, split, varlen  # noqa: F401  (registers the backends)
 from aah_lightning.model.attention.planner import AttentionPlanner
 from aah_lightning.model.attention.registry import (
     AUTO_RULES,

@@ -137,13 +137,19 @@ class FlexPlan(Plan):
         return (counts.partial + counts.full) * q_block * kv_block // max(1, self.block_mask.kv_num_blocks.shape[0])
 
 
-def build_flex_plan(row, seq_len, doc_ids, device, block_size, options=None) -> FlexPlan:
-    """The flex plan of one layer (balanced head order on CPU where it helps; per-batch BlockMask with documents)."""
+def device_arch(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability (the key of ``TUNED_OPTIONS``), None off CUDA."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def build_flex_plan(row, seq_len, doc_ids, device, block_size, options=None, balance=True) -> FlexPlan:
+    """The flex plan of one layer: per-batch BlockMask with documents; on CPU, with ``balance``, the heads in the
+    balanced order where it helps."""
     row_t = torch.tensor(row, dtype=torch.int32, device=device)  # a private copy: the live table may change
-    arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    arch = device_arch(device)
     if doc_ids is not None:
         return FlexPlan(row, seq_len, masks.document_block_mask(row_t, doc_ids, block_size), options=options, arch=arch)
-    if device.type == "cpu":
+    if device.type == "cpu" and balance:
         order = cpu_head_order(row_t, seq_len, block_size, torch.get_num_threads())
         if order is not None:
             order = torch.tensor(order, device=device)

@@ -1,0 +1,99 @@
+"""``varlen``: heads grouped by window, one sliding-window flash call per group through torch's own varlen attention
+(``torch.nn.attention.varlen.varlen_attn``, bundled with torch: no extra package). CUDA only, bf16 / fp16; elsewhere
+it falls back to ``split`` (one log line).
+
+Full-window heads run fused causal SDPA (as in ``split``); each other group is one ``varlen_attn`` call with
+``window_size=(W - 1, 0)``: FlashAttention's windows are inclusive (query i sees keys ``i - left .. i + right``), so
+our W keys ``0 <= q - kv < W`` are ``left = W - 1``, ``right = 0``. The batch is laid out as varlen sequences
+(``[B * T, heads, D]``, one sequence per row); with documents each document is its own sequence, so a group with
+full windows runs through varlen too (``window_size=(-1, 0)``: causal). That needs every document to be one
+contiguous run of positions in its row (what packing produces), checked when the plan is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, register
+from aah_lightning.model.attention.sdpa import CausalPlan
+from aah_lightning.model.attention.split import SplitPlan, split_plan
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch older than the varlen API
+    varlen_attn = None
+
+
+def flash_window(window: int, seq_len: int) -> tuple[int, int]:
+    """FlashAttention's inclusive ``window_size`` for our window of W keys: ``(W - 1, 0)``; ``(-1, 0)`` (causal) when
+    the window covers the sequence."""
+    return (-1, 0) if window >= seq_len else (int(window) - 1, 0)
+
+
+def document_segments(doc_ids: Tensor) -> tuple[Tensor, int]:
+    """Cumulative sequence starts (int32 ``[n + 1]``) of the flattened ``[B * T]`` tokens, one sequence per
+    document run in each row, and the longest run. Reads ``doc_ids`` on the host (plan building, per batch)."""
+    batch, seq_len = doc_ids.shape
+    flat = doc_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::seq_len] = True  # every row starts a sequence
+    runs = starts.view(batch, seq_len).sum(1)
+    distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=runs.device)
+    if not torch.equal(runs, distinct):
+        raise ValueError("model.backend=varlen needs every document to be one contiguous run of positions in its row")
+    bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)])
+    return bounds.to(torch.int32), int(bounds.diff().max())
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenGroupPlan(Plan):
+    """One ``varlen_attn`` call for heads that share a window. ``cu_seqlens``/``max_len``: the document sequences,
+    or None: one sequence per row (built per call for the batch at hand)."""
+
+    row: tuple[int, ...]
+    seq_len: int
+    window_size: tuple[int, int]
+    cu_seqlens: Tensor | None = None
+    max_len: int | None = None
+    kind = "varlen"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, h, T, D = q.shape
+        if self.cu_seqlens is None:
+            cu, longest = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), T
+        else:
+            cu, longest = self.cu_seqlens, self.max_len
+        tokens = [x.transpose(1, 2).reshape(B * T, h, D) for x in (q, k, v)]
+        out = varlen_attn(*tokens, cu, cu, longest, longest, window_size=self.window_size)
+        return out.view(B, T, h, D).transpose(1, 2)
+
+
+class VarlenPlan(SplitPlan):
+    kind = "varlen"
+
+
+@register
+class VarlenBackend(Backend):
+    name = "varlen"
+    fallback = "split"
+
+    def available(self, device, needs_grad) -> Availability:
+        if varlen_attn is None:
+            return Availability(False, f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        if device.type != "cuda":
+            return Availability(False, f"varlen attention (FlashAttention) runs on CUDA only, not {device.type}")
+        return AVAILABLE
+
+    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
+        segments = (None, None) if doc_ids is None else document_segments(doc_ids)
+
+        def part(sub_row):
+            if doc_ids is None and min(sub_row) >= seq_len:
+                return CausalPlan(sub_row, seq_len)
+            return VarlenGroupPlan(sub_row, seq_len, flash_window(sub_row[0], seq_len), *segments)
+
+        return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, VarlenPlan)
