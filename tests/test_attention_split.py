@@ -165,3 +165,22 @@ def test_varlen_off_cuda_falls_back_to_split_with_one_log_line(caplog):
         names = [resolve_backend("varlen", CPU, needs_grad=True, seq_len=512) for _ in range(3)]
     assert names == ["split"] * 3
     assert len(caplog.records) == 1 and "runs on CUDA only" in caplog.records[0].getMessage()
+
+
+@pytest.mark.heavy  # compiles flex on CPU (~15 s)
+def test_compiled_split_is_exact_and_new_windows_in_the_same_groups_compile_nothing():
+    import torch._dynamo.utils as dyn
+
+    T = 256
+    q, k, v = (x.detach().float() for x in qkv(1, 6, T))
+    # three windowed heads and three full ones in every row: only window values change
+    rows = [(8, 256, 64, 256, 100, 256), (3, 256, 5, 300, 7, 256), (1, 999, 255, 256, 128, 256)]
+    graphs = []
+    with torch.no_grad():
+        for row in rows:
+            plan = split.SplitBackend(windowed="flex").build(row, T, None, device=CPU, block_size=128)
+            out = plan(q, k, v)
+            graphs.append(dyn.counters["stats"]["unique_graphs"])
+            torch.testing.assert_close(out.double(), reference_attention(q, k, v, torch.tensor(row)),
+                                       rtol=2e-5, atol=2e-5)
+    assert graphs[-1] == graphs[0]

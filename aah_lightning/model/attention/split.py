@@ -10,9 +10,9 @@ head needs the document mask, so the windowed kernel runs all heads.
 ``SplitPlan`` is the generic gather / run parts / scatter plan; the ``varlen`` backend builds one too.
 
 Compiling: the group sizes are part of the plan, so the compiled flex kernel sees a new head count whenever a
-layer's number of windowed heads changes. It is compiled with automatic dynamic shapes (``dynamic=None``): the first
-change recompiles once with a symbolic head count, later ones do not. New window values within the same groups never
-recompile. tools/gpu_tune.py counts this.
+layer's number of windowed heads changes. On CUDA it is compiled with automatic dynamic shapes (``dynamic=None``):
+the first change recompiles once with a symbolic head count, later ones should not (tools/gpu_tune.py counts it).
+New window values within the same groups never recompile.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ _compiled_flex_any_heads = None
 
 
 def compiled_flex_any_heads():
-    """Compiled flex for a varying number of heads: automatic dynamic shapes (one recompile, then symbolic)."""
+    """Compiled flex for a varying number of heads: automatic dynamic shapes (one recompile, then symbolic). CUDA
+    only: torch's CPU flex kernel does not compile with a symbolic head count, so on CPU ``AnyHeadsFlexPlan`` uses
+    the static compile (a new graph per head count)."""
     global _compiled_flex_any_heads
     if _compiled_flex_any_heads is None:
         _compiled_flex_any_heads = torch.compile(flex_attention)
@@ -102,8 +104,8 @@ class AnyHeadsFlexPlan(flex.FlexPlan):
     """A flex plan for a group of heads whose size changes with the windows (compiled with dynamic shapes)."""
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        options = self.kernel_options(q)
-        return compiled_flex_any_heads()(q, k, v, block_mask=self.block_mask, kernel_options=options)
+        attend = compiled_flex_any_heads() if q.is_cuda else flex.compiled_flex_attention()
+        return attend(q, k, v, block_mask=self.block_mask, kernel_options=self.kernel_options(q))
 
 
 def windowed_plan(row, seq_len, doc_ids, device, block_size, kernel: str) -> Plan:
