@@ -1,0 +1,471 @@
+#!/usr/bin/env python
+"""Which attention plan makes the windows pay on this GPU? One command, one table, target verdicts, JSON.
+
+    python tools/gpu_tune.py                       # CUDA GPU, bf16; stops starting new stages after --budget s
+    python tools/gpu_tune.py --out tune.json       # JSON to this file (default: $OUT/gpu_tune.json if $OUT is set)
+    python tools/gpu_tune.py --smoke               # CPU, tiny shapes: every code path, no numbers worth keeping
+
+Needs only torch (and triton on CUDA) and the aah package: no datasets, no jsonargparse. Run from the repository root.
+
+Stages, most important first (each is skipped, and says so, once less than its estimated time is left of --budget):
+  parity      every plan against a float64 dense reference at the first T: output and dq, dk, dv of batch element 0,
+              passing when within 2x the error of SDPA with the same dense mask and dtype (or a small floor) - the
+              rule tools/gpu_check.py uses.
+  attention   forward (as in training: inputs need grad) and forward+backward of every plan against SDPA's fused
+              causal kernel, at T in {4096, 16384} with B x T constant (8 x 4096), H=20, D=64, the paper's window mix
+              (13/2/2/3 heads on T/8, T/4, T/2, T); backward = (forward+backward) - forward. The split plan's gather
+              and scatter copies are timed on their own.
+  recompiles  each compiled plan, after warm-up, with new window values in the same head groups (the target: zero
+              new graphs) and with a different number of windowed heads (the split plans' group sizes change).
+  end to end  training-step tokens/s (forward, backward, AdamW, bf16 autocast) of the ~124M GPT (12 layers, d=768,
+              12 heads) at T=4096 (B=8) and T=16384 (B=2): full causal against the paper's mix (ACR ~0.3) under
+              each CUDA plan.
+  tuning      flex kernel_options candidates at the first T (ROWS_GUARANTEED_SAFE, tile sizes, warps, 64-token
+              BlockMask); the winner is what to pin in aah_lightning/model/attention/flex.py (TUNED_OPTIONS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, if not installed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (bench's helpers)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+import bench  # noqa: E402
+from aah_lightning.aah import metrics  # noqa: E402
+from aah_lightning.model import masks  # noqa: E402
+from aah_lightning.model.attention import get_backend  # noqa: E402
+from aah_lightning.model.attention.flex import FlexPlan, device_arch  # noqa: E402
+from aah_lightning.model.attention.sdpa import CausalPlan  # noqa: E402
+from aah_lightning.model.config import GPTConfig  # noqa: E402
+from aah_lightning.model.gpt import GPT  # noqa: E402
+
+# The plans measured, by registered backend name (plus banded on CPU); one that cannot train here is reported with
+# its reason.
+PLANS = ("flex", "flex_tuned", "split", "varlen", "flex_fa4")
+# flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size). Never
+# BLOCKS_ARE_CONTIGUOUS: our visited tiles are not adjacent.
+SAFE = {"ROWS_GUARANTEED_SAFE": True}
+CANDIDATES = {
+    "flex, default options": ({}, 128),
+    "rows safe": (SAFE, 128),
+    "rows safe, fwd 128x64 tiles": ({**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64}, 128),
+    "rows safe, fwd 8 warps": ({**SAFE, "fwd_num_warps": 8}, 128),
+    "rows safe, bwd 64x64 tiles": ({**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                                    "bwd_BLOCK_N2": 64}, 128),
+    "rows safe, 64-token BlockMask": (SAFE, 64),
+}
+# Targets per position in the sequence lengths (T = 4096, 16384); None: no target at that length.
+TARGETS = {"fwd+bwd": (0.60, 0.55), "fwd": (0.55, None), "e2e": (1.15, 1.4)}
+
+
+class Run:
+    """Budget, results and the printed log of one tool run."""
+
+    def __init__(self, budget: float):
+        self.start = time.perf_counter()
+        self.budget = budget
+        self.results: dict = {"attention": [], "parity": [], "recompiles": [], "copies": [], "end_to_end": [],
+                              "tuning": [], "skipped": [], "errors": []}
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+    def stage(self, name: str, estimate: float) -> bool:
+        """Whether a stage expected to take ``estimate`` seconds still fits the budget (records a skip if not)."""
+        if self.left() >= estimate:
+            print(f"-- {name} ({self.left():.0f} s of budget left)", flush=True)
+            return True
+        self.results["skipped"].append(f"{name}: needs ~{estimate:.0f} s, {max(0.0, self.left()):.0f} s left")
+        print(f"-- {name}: skipped, budget", flush=True)
+        return False
+
+    def error(self, what: str, err: Exception) -> str:
+        text = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+        self.results["errors"].append(f"{what}: {text}")
+        traceback.print_exc()
+        return text
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def shapes(args) -> list[tuple[int, int]]:
+    """(T, B) pairs with B x T constant."""
+    tokens = args.batch * args.seq_lens[0]
+    return [(T, max(1, tokens // T)) for T in args.seq_lens]
+
+
+def plan_for(name: str, row: torch.Tensor, seq_len: int, device):
+    """A registered backend's plan, or the reason it cannot train here."""
+    backend = get_backend(name)
+    state = backend.available(device, needs_grad=True)
+    if not state:
+        return None, state.reason
+    return backend.build(tuple(row.tolist()), seq_len, None, device=device, block_size=128), ""
+
+
+def candidate_plan(options: dict, block: int, row: torch.Tensor, seq_len: int, device) -> FlexPlan:
+    block_mask = masks.window_block_mask(row.to(device), seq_len, block)
+    return FlexPlan(tuple(row.tolist()), seq_len, block_mask, options=options or None, arch=device_arch(device))
+
+
+def inputs(B: int, H: int, T: int, D: int, device, dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g).to(device, dtype) for _ in range(4))
+    return [x.requires_grad_() for x in (q, k, v)], dout
+
+
+def timed_pair(plan, qkv, dout):
+    """(forward, forward+backward) closures of a plan on fixed inputs."""
+    q, k, v = qkv
+
+    def fwd():
+        plan(q, k, v)
+
+    def fwd_bwd():
+        plan(q, k, v).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return fwd, fwd_bwd
+
+
+# -- parity ------------------------------------------------------------------------------------------------------
+def reference(q, k, v, row, dout):
+    """float64 output and gradients of batch element 0, and SDPA's with the same dense mask in the inputs' dtype."""
+    T = q.shape[2]
+    mask = masks.dense_mask(masks.window_mask_mod(row.to(q.device)), 1, row.numel(), T, q.device)
+    ref_in = [x[:1].detach().double().requires_grad_() for x in (q, k, v)]
+    s = ref_in[0] @ ref_in[1].transpose(-1, -2) / math.sqrt(q.shape[-1])
+    ref = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ ref_in[2]
+    ref.backward(dout[:1].double())
+    want = {"out": ref.detach(), **{n: x.grad for n, x in zip(("dq", "dk", "dv"), ref_in)}}
+    sdpa_in = [x[:1].detach().clone().requires_grad_() for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*sdpa_in, attn_mask=mask)
+    out.backward(dout[:1])
+    sdpa = {"out": out.detach(), **{n: x.grad for n, x in zip(("dq", "dk", "dv"), sdpa_in)}}
+    return want, {key: (sdpa[key].double() - want[key]).abs().max().item() for key in want}
+
+
+def parity(run: Run, name: str, plan, qkv, dout, want, sdpa_err, floor: float) -> None:
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv)
+    out = plan(q, k, v)
+    out.backward(dout)
+    got = {"out": out[:1].detach(), "dq": q.grad[:1], "dk": k.grad[:1], "dv": v.grad[:1]}
+    errs = {key: (got[key].double() - want[key]).abs().max().item() for key in want}
+    limits = {key: max(2 * sdpa_err[key], floor) for key in want}
+    ok = all(errs[key] <= limits[key] for key in errs)
+    run.results["parity"].append({"plan": name, "errors": errs, "limits": limits, "sdpa": sdpa_err, "passed": ok})
+    print(f"  {'ok  ' if ok else 'FAIL'} parity {name}: " + ", ".join(f"{k} {e:.1e}/{limits[k]:.1e}"
+                                                                  for k, e in errs.items()), flush=True)
+
+
+# -- attention ---------------------------------------------------------------------------------------------------
+def attention(run: Run, args, device, dtype) -> None:
+    H, D = args.heads, args.head_dim
+    for index, (T, B) in enumerate(shapes(args)):
+        first = index == 0
+        if not run.stage(f"attention T={T} B={B}", args.stage_estimate):
+            continue
+        row = bench.window_mix(T, H)
+        full = torch.full((H,), T, dtype=torch.int32)
+        qkv, dout = inputs(B, H, T, D, device, dtype)
+        plans = {"sdpa causal": CausalPlan(tuple(full.tolist()), T)}
+        for name in PLANS + (("banded",) if device.type == "cpu" else ()):
+            try:
+                plan, reason = plan_for(name, row, T, device)
+            except Exception as err:  # a plan that cannot even be built is a result, not a crash
+                plan, reason = None, run.error(f"build {name} T={T}", err)
+            if plan is None:
+                run.results["attention"].append({"T": T, "B": B, "plan": name, "unavailable": reason})
+                print(f"  {name}: unavailable ({reason})", flush=True)
+            else:
+                plans[name] = plan
+        if first and device.type == "cuda":
+            plans["flex causal"] = candidate_plan({}, 128, full, T, device)
+        if first:
+            want, sdpa_err = reference(*qkv, row, dout)
+            floor = 1e-4 if dtype == torch.float32 else 2e-2
+        fns, compile_s = {}, {}
+        for name, plan in plans.items():
+            try:
+                t0 = time.perf_counter()
+                fwd, fwd_bwd = timed_pair(plan, qkv, dout)
+                fwd_bwd()  # compiles
+                bench.sync(device)
+                compile_s[name] = time.perf_counter() - t0
+                if first and name not in ("sdpa causal", "flex causal"):  # baselines: not the windowed mask
+                    parity(run, name, plan, qkv, dout, want, sdpa_err, floor)
+                fns[f"{name}|fwd"], fns[f"{name}|fwd+bwd"] = fwd, fwd_bwd
+            except Exception as err:
+                run.results["attention"].append({"T": T, "B": B, "plan": name, "error": run.error(f"{name} T={T}", err)})
+        if "split" in plans and plans["split"].order is not None:
+            fns["split gather+scatter|copies"] = gather_scatter(plans["split"], qkv)
+        times = bench.timeit(fns, device, args.repeats)
+        base = {kind: statistics.median(times[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
+        cov, dens = metrics.causal_coverage(row, T).item(), metrics.block_density(row, T, 128).item()
+        for key, ts in times.items():
+            name, kind = key.split("|")
+            ms = statistics.median(ts)
+            entry = {"T": T, "B": B, "plan": name, "kind": kind, "ms": ms, "min": min(ts), "max": max(ts),
+                     "coverage": cov, "block_density": dens, "first_call_s": compile_s.get(name)}
+            if kind in base:
+                entry["ratio"] = ms / base[kind]
+            (run.results["copies"] if kind == "copies" else run.results["attention"]).append(entry)
+        for name in plans:
+            if f"{name}|fwd" in times:
+                bwd = statistics.median(times[f"{name}|fwd+bwd"]) - statistics.median(times[f"{name}|fwd"])
+                base_bwd = base["fwd+bwd"] - base["fwd"]
+                run.results["attention"].append({"T": T, "B": B, "plan": name, "kind": "bwd", "ms": bwd,
+                                                 "ratio": bwd / base_bwd if base_bwd > 0 else float("nan")})
+        if device.type == "cuda" or args.smoke:
+            recompiles(run, plans, row, T, qkv, dout, device)
+
+
+def gather_scatter(plan, qkv):
+    """The split plan's copies alone: gather q, k, v into head groups, scatter an output back."""
+    q, k, v = (x.detach() for x in qkv)
+
+    def run():
+        parts = [x.index_select(1, plan.order) for x in (q, k, v)]
+        parts[0].index_select(1, plan.inverse)
+
+    return run
+
+
+def recompiles(run: Run, plans: dict, row: torch.Tensor, T: int, qkv, dout, device) -> None:
+    """New graphs after warm-up: new windows in the same groups, then a different number of windowed heads."""
+    same = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(1))]
+    same = torch.where(same < T, torch.clamp(same - 7, min=1), same)  # new values, same windowed / full split
+    fewer = torch.where(torch.arange(row.numel()) % 2 == 0, torch.full_like(row, T), row)
+    for name, plan in plans.items():
+        if name in ("sdpa causal", "flex causal"):
+            continue
+        counts = {}
+        try:
+            for label, new_row in (("same groups", same), ("windowed head count changed", fewer)):
+                before = graphs()
+                new_plan = get_backend(name).build(tuple(new_row.tolist()), T, None, device=device, block_size=128)
+                timed_pair(new_plan, qkv, dout)[1]()
+                bench.sync(device)
+                counts[label] = graphs() - before
+        except Exception as err:
+            counts["error"] = run.error(f"recompiles {name} T={T}", err)
+        run.results["recompiles"].append({"T": T, "plan": name, **counts})
+        print(f"  recompiles {name}: {counts}", flush=True)
+
+
+# -- tuning ------------------------------------------------------------------------------------------------------
+def tuning(run: Run, args, device, dtype) -> None:
+    T, B = shapes(args)[0]
+    H, D = args.heads, args.head_dim
+    row = bench.window_mix(T, H)
+    qkv, dout = inputs(B, H, T, D, device, dtype)
+    want, sdpa_err = reference(*qkv, row, dout)
+    floor = 1e-4 if dtype == torch.float32 else 2e-2
+    fns = {"sdpa causal": timed_pair(CausalPlan(tuple([T] * H), T), qkv, dout)}
+    for name, (options, block) in CANDIDATES.items():
+        if not run.stage(f"tuning candidate '{name}'", args.stage_estimate / 2):
+            break
+        try:
+            plan = candidate_plan(options, block, row, T, device)
+            pair = timed_pair(plan, qkv, dout)
+            pair[1]()
+            parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, floor)
+            fns[name] = pair
+        except Exception as err:
+            run.results["tuning"].append({"candidate": name, "options": options, "block": block,
+                                          "error": run.error(f"tuning {name}", err)})
+    timed = bench.timeit({f"{n}|{kind}": f for n, pair in fns.items() for kind, f in zip(("fwd", "fwd+bwd"), pair)},
+                         device, args.repeats)
+    base = {kind: statistics.median(timed[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
+    for name in fns:
+        if name == "sdpa causal":
+            continue
+        options, block = CANDIDATES[name]
+        entry = {"candidate": name, "options": options, "block": block, "T": T, "B": B}
+        for kind in ("fwd", "fwd+bwd"):
+            ms = statistics.median(timed[f"{name}|{kind}"])
+            entry[kind] = {"ms": ms, "ratio": ms / base[kind]}
+        run.results["tuning"].append(entry)
+
+
+# -- end to end --------------------------------------------------------------------------------------------------
+def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
+    """The ~124M GPT of bench.py's CUDA section; with ``smoke`` a tiny one."""
+    if not smoke:
+        return bench.small_model(device, seq_len, backend)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=97, seq_len=seq_len, n_layer=2, n_head=4, n_embd=64, backend=backend)).to(device)
+
+
+def end_to_end(run: Run, args, device, dtype) -> None:
+    variants = {"full causal": (False, "auto")}
+    for name in ("flex", "flex_tuned", "split", "varlen") if device.type == "cuda" else ("banded", "split"):
+        if get_backend(name).available(device, needs_grad=True):
+            variants[f"AAH, {name}"] = (True, name)
+    for T, B in shapes(args):
+        if not run.stage(f"end to end T={T} B={B}", args.stage_estimate * (len(variants) - 1) / 2):
+            continue
+        steps, models = {}, {}
+        for label, (aah, backend) in variants.items():
+            try:
+                model = models[label] = gpt_model(device, T, backend, args.smoke)
+                table = bench.aah_table(model.cfg.n_layer, model.cfg.n_head, T)
+                model.set_windows(table if aah else torch.full_like(table, T))
+                tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+                step = bench.train_step(model, tokens.to(device), device, dtype)
+                step()  # compiles
+                steps[label] = step
+            except Exception as err:
+                run.results["end_to_end"].append({"T": T, "B": B, "variant": label,
+                                                  "error": run.error(f"end to end {label} T={T}", err)})
+            bench.sync(device)
+        times = bench.timeit(steps, device, args.train_repeats, warmup=1)
+        if "full causal" not in times:
+            continue
+        base = B * T / (statistics.median(times["full causal"]) / 1e3)
+        for label, ts in times.items():
+            tok_s = B * T / (statistics.median(ts) / 1e3)
+            kinds = sorted({p.kind for p in models[label].attention_plans(T)})
+            run.results["end_to_end"].append({
+                "T": T, "B": B, "variant": label, "plans": kinds, "step_ms": statistics.median(ts),
+                "tokens_per_s": tok_s, "vs_full_causal": tok_s / base,
+                "acr": metrics.acr(models[label].windows, T).item(), "params": models[label].num_params()})
+        del models, steps
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+def verdicts(results: dict, seq_lens: list[int]) -> list[dict]:
+    rows = []
+    for kind in ("fwd+bwd", "fwd"):
+        for T, limit in zip(seq_lens, TARGETS[kind]):
+            if limit is None:
+                continue
+            cands = [r for r in results["attention"] if r.get("kind") == kind and r["T"] == T and "ratio" in r
+                     and r["plan"] not in ("sdpa causal", "flex causal")]
+            if cands:
+                best = min(cands, key=lambda r: r["ratio"])
+                rows.append({"target": f"attention {kind} / SDPA causal <= {limit}, T={T}", "best": best["plan"],
+                             "measured": best["ratio"], "met": best["ratio"] <= limit})
+    for T, limit in zip(seq_lens, TARGETS["e2e"]):
+        cands = [r for r in results["end_to_end"] if r["T"] == T and r.get("variant", "").startswith("AAH")
+                 and "vs_full_causal" in r]
+        if cands:
+            best = max(cands, key=lambda r: r["vs_full_causal"])
+            rows.append({"target": f"end to end tokens/s >= {limit} x full causal, T={T}", "best": best["variant"],
+                         "measured": best["vs_full_causal"], "met": best["vs_full_causal"] >= limit})
+    for r in results["recompiles"]:
+        if "same groups" in r:
+            rows.append({"target": f"zero recompiles on new windows, {r['plan']}, T={r['T']}", "best": r["plan"],
+                         "measured": r["same groups"], "met": r["same groups"] == 0})
+    for r in results["parity"]:
+        rows.append({"target": f"parity vs float64, {r['plan']}", "best": r["plan"],
+                     "measured": max(r["errors"][k] / r["limits"][k] for k in r["errors"]), "met": r["passed"]})
+    return rows
+
+
+def report(results: dict) -> str:
+    lines = ["| T | plan | kind | ms median [min, max] | / SDPA causal | first call s |", "|---|---|---|---|---|---|"]
+    for r in results["attention"] + results["copies"]:
+        if "ms" in r:
+            spread = f" [{r['min']:.2f}, {r['max']:.2f}]" if "min" in r else ""
+            first = f"{r['first_call_s']:.1f}" if r.get("first_call_s") is not None else "-"
+            ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
+            lines.append(f"| {r['T']} | {r['plan']} | {r['kind']} | {r['ms']:.3f}{spread} | {ratio} | {first} |")
+        else:
+            lines.append(f"| {r['T']} | {r['plan']} | - | {r.get('unavailable') or 'error: ' + r['error']} | - | - |")
+    out = "### attention (B x T constant; bwd = fwd+bwd - fwd)\n\n" + "\n".join(lines) + "\n"
+    if results["tuning"]:
+        out += "\n### flex kernel_options candidates\n\n| candidate | fwd / SDPA causal | fwd+bwd / SDPA causal |\n"
+        out += "|---|---|---|\n"
+        for r in results["tuning"]:
+            cells = ([f"{r[k]['ratio']:.3f} ({r[k]['ms']:.2f} ms)" for k in ("fwd", "fwd+bwd")] if "fwd" in r
+                     else ["error: " + r["error"], "-"])
+            out += f"| {r['candidate']} | " + " | ".join(cells) + " |\n"
+    if results["end_to_end"]:
+        out += "\n### end to end (fwd+bwd+AdamW)\n\n| T | B | variant | plans | step ms | tokens/s | vs full causal |\n"
+        out += "|---|---|---|---|---|---|---|\n"
+        for r in results["end_to_end"]:
+            if "error" in r:
+                out += f"| {r['T']} | {r['B']} | {r['variant']} | error: {r['error']} | - | - | - |\n"
+            else:
+                out += (f"| {r['T']} | {r['B']} | {r['variant']} | {'/'.join(r['plans'])} | {r['step_ms']:.1f} | "
+                        f"{r['tokens_per_s']:.0f} | {r['vs_full_causal']:.2f} |\n")
+    if results["recompiles"]:
+        out += "\n### new graphs after warm-up\n\n| T | plan | same groups | windowed head count changed |\n"
+        out += "|---|---|---|---|\n"
+        for r in results["recompiles"]:
+            out += (f"| {r['T']} | {r['plan']} | {r.get('same groups', r.get('error', '-'))} | "
+                    f"{r.get('windowed head count changed', '-')} |\n")
+    out += "\n### targets\n\n| target | best | measured | verdict |\n|---|---|---|---|\n"
+    for v in results["targets"]:
+        out += f"| {v['target']} | {v['best']} | {v['measured']:.3g} | {'met' if v['met'] else 'MISSED'} |\n"
+    for key in ("skipped", "errors"):
+        if results[key]:
+            out += f"\n{key}:\n" + "\n".join(f"- {s}" for s in results[key]) + "\n"
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: exercise every code path quickly")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT/gpu_tune.json when $OUT is set)")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds; later stages are skipped past it")
+    p.add_argument("--stages", default="attention,e2e,tuning", help="comma-separated subset to run")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_tune: no CUDA device; use --smoke for a CPU run of the code paths", file=sys.stderr)
+        return 2
+    # Shapes: docs/benchmarks.md's attention bench (H=20, D=64, B=8 at T=4096), B x T constant.
+    args.seq_lens, args.batch, args.heads, args.head_dim = [4096, 16384], 8, 20, 64
+    args.repeats, args.train_repeats, args.stage_estimate = 10, 5, 60.0
+    dtype = torch.bfloat16
+    if args.smoke:
+        args.seq_lens, args.batch, args.heads, args.head_dim = [128, 256], 2, 6, 16
+        args.repeats, args.train_repeats, args.stage_estimate = 1, 1, 0.0
+        dtype = torch.float32
+    stages = set(args.stages.split(","))
+    run = Run(args.budget)
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    print(f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
+          f"machine: {bench.machine(device)}\n", flush=True)
+    if "attention" in stages:
+        attention(run, args, device, dtype)
+    if "e2e" in stages:
+        end_to_end(run, args, device, dtype)
+    if "tuning" in stages and device.type == "cuda":
+        tuning(run, args, device, dtype)
+    run.results["targets"] = verdicts(run.results, args.seq_lens)
+    run.results.update(command=command, machine=bench.machine(device), torch=torch.__version__,
+                       date=datetime.datetime.now().isoformat(timespec="minutes"), smoke=args.smoke,
+                       seconds=time.perf_counter() - run.start)
+    print(report(run.results), flush=True)
+    out = args.out or (os.path.join(os.environ["OUT"], "gpu_tune.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(run.results, f, indent=1, default=str)
+        print(f"JSON: {out}")
+    print(f"command: `{command}`, {time.perf_counter() - run.start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
