@@ -9,9 +9,10 @@
 Needs nothing beyond the aah package and its dependencies (run from the repository root, or with aah installed).
 
 Checks (docs/scaling.md, "GPU check"):
-  attention parity   compiled FlexAttention with per-head windows against a float64 dense masked softmax: output and
-                     dq, dk, dv in fp32 and bf16. Passes if flex's error is at most 2x that of SDPA with the same dense
-                     mask and dtype (or below a small floor).
+  attention parity   every CUDA plan (flex, flex_tuned, split, varlen, flex_fa4 where it can run) with per-head windows
+                     against a float64 dense masked softmax: output and dq, dk, dv in fp32 and bf16 (varlen: bf16).
+                     Passes if a plan's error is at most 2x that of SDPA with the same dense mask and dtype (or below a
+                     small floor).
   GPT parity         the whole model, flex backend against sdpa backend, same weights and windows: loss and gradients.
   compiled training  Lightning fit of AAHModule(backend=flex, compile_blocks=True) in bf16-mixed on synthetic data,
                      the random policy redrawing every head's window at every step: after warm-up no new graphs
@@ -37,10 +38,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from aah_lightning.model import masks  # noqa: E402
-from aah_lightning.model.attention.flex import compiled_flex_attention  # noqa: E402
+from aah_lightning.model.attention import get_backend  # noqa: E402
 from aah_lightning.model.config import GPTConfig  # noqa: E402
 from aah_lightning.model.gpt import GPT  # noqa: E402
 
+# Every CUDA plan (model.backend) checked against the float64 reference; one that cannot run here says why.
+PARITY_PLANS = ("flex", "flex_tuned", "split", "varlen", "flex_fa4")
 ROWS: list[tuple[str, str, str, bool]] = []  # (check, measured, limit, passed)
 STARTED = time.perf_counter()
 
@@ -77,7 +80,6 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(device, dtype) for _ in range(3))
     row = window_row(H, T).to(device)
-    block_mask = masks.window_block_mask(row, T, 128)
     dense = masks.dense_mask(masks.window_mask_mod(row), 1, H, T, device)
     ref_in = [t.detach().double().requires_grad_(train) for t in (q, k, v)]
     ref = reference_attention(*ref_in, row)
@@ -97,21 +99,29 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
                 errs[name] = (mine.grad.double() - theirs.grad).abs().max().item()
         return errs
 
-    flex = run(lambda a, b, c: compiled_flex_attention()(a, b, c, block_mask=block_mask))
     sdpa = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense))
     floor = 1e-4 if dtype == torch.float32 else 2e-2
     name = str(dtype).replace("torch.", "")
-    for key in flex:
-        limit = max(2 * sdpa[key], floor)
-        record(f"attention parity {name} {key}", f"{flex[key]:.2e} (sdpa {sdpa[key]:.2e})", f"{limit:.1e}",
-               flex[key] <= limit)
+    for plan_name in PARITY_PLANS:
+        backend = get_backend(plan_name)
+        state = backend.available(device, train)
+        if not state or (plan_name == "varlen" and dtype == torch.float32):
+            why = state.reason if not state else "FlashAttention kernels take bf16 / fp16 only"
+            record(f"attention parity {name} ({plan_name})", f"skipped: {why}", "-", True)
+            continue
+        plan = backend.build(tuple(row.tolist()), T, None, device=device, block_size=128)
+        errs = run(plan)
+        for key in errs:
+            limit = max(2 * sdpa[key], floor)
+            record(f"attention parity {name} {key} ({plan_name})", f"{errs[key]:.2e} (sdpa {sdpa[key]:.2e})",
+                   f"{limit:.1e}", errs[key] <= limit)
 
 
-def gpt_parity(device, shape, train: bool) -> None:
-    """flex and sdpa backends on the same weights and windows (fp32): the plumbing, not the arithmetic, is tested."""
+def gpt_parity(device, shape, train: bool, backend: str = "flex") -> None:
+    """``backend`` and sdpa on the same weights and windows (fp32): the plumbing, not the arithmetic, is tested."""
     B, H, T, D = shape
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=97, seq_len=T, n_layer=3, n_head=H, n_embd=H * D, backend="flex")
+    cfg = GPTConfig(vocab_size=97, seq_len=T, n_layer=3, n_head=H, n_embd=H * D, backend=backend)
     flex = GPT(cfg).to(device)
     sdpa = GPT(GPTConfig(**{**cfg.__dict__, "backend": "sdpa"})).to(device)
     sdpa.load_state_dict(flex.state_dict())
@@ -134,12 +144,12 @@ def gpt_parity(device, shape, train: bool) -> None:
     with torch.no_grad():
         kinds = "/".join(p.kind for p in flex.attention_plans(T))
     err = (logits[0] - logits[1]).abs().max().item()
-    record(f"GPT parity logits flex vs sdpa ({kinds})", f"{err:.2e}", "1.0e-04", err < 1e-4)
+    record(f"GPT parity logits {backend} vs sdpa ({kinds})", f"{err:.2e}", "1.0e-04", err < 1e-4)
     diff = abs(losses[0] - losses[1])
-    record("GPT parity loss flex vs sdpa", f"{diff:.2e}", "1.0e-04", diff < 1e-4)
+    record(f"GPT parity loss {backend} vs sdpa", f"{diff:.2e}", "1.0e-04", diff < 1e-4)
     if train:
         rel = ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
-        record("GPT parity gradients (relative)", f"{rel:.2e}", "1.0e-03", rel < 1e-3)
+        record(f"GPT parity gradients (relative), {backend}", f"{rel:.2e}", "1.0e-03", rel < 1e-3)
 
 
 def compiled_inference(device, shape) -> None:
@@ -302,6 +312,7 @@ def main() -> int:
         ("attention parity fp32", lambda: attention_parity(device, torch.float32, attn_shape, train=cuda)),
         ("attention parity bf16", lambda: attention_parity(device, torch.bfloat16, attn_shape, train=cuda)),
         ("GPT parity", lambda: gpt_parity(device, attn_shape, train=cuda)),
+        ("GPT parity, split", lambda: gpt_parity(device, attn_shape, train=cuda, backend="split")),
     ]
     if not cuda:
         steps.append(("compiled inference", lambda: compiled_inference(device, attn_shape)))
