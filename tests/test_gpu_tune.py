@@ -31,7 +31,7 @@ def test_gpu_tune_smoke_writes_one_report(tmp_path, capsys, monkeypatch):
     for T in (128, 256):
         for plan in ("sdpa causal", "split", "banded"):
             assert {(T, plan, kind) for kind in ("fwd", "fwd+bwd", "bwd")} <= timed
-    assert [r["plan"] for r in results["parity"]] == ["split", "banded"]
+    assert sorted(r["plan"] for r in results["parity"]) == ["banded", "split"]
     assert all(r["passed"] for r in results["parity"])
     assert {r["variant"] for r in results["end_to_end"]} == {"full causal", "AAH, banded", "AAH, split"}
     assert all(r["same groups"] == 0 for r in results["recompiles"])

@@ -47,15 +47,15 @@ from torch._dynamo.utils import counters  # noqa: E402
 import bench  # noqa: E402
 from aah_lightning.aah import metrics  # noqa: E402
 from aah_lightning.model import masks  # noqa: E402
-from aah_lightning.model.attention import get_backend  # noqa: E402
+from aah_lightning.model.attention import backend_names, get_backend  # noqa: E402
 from aah_lightning.model.attention.flex import FlexPlan, device_arch  # noqa: E402
 from aah_lightning.model.attention.sdpa import CausalPlan  # noqa: E402
 from aah_lightning.model.config import GPTConfig  # noqa: E402
 from aah_lightning.model.gpt import GPT  # noqa: E402
 
-# The plans measured, by registered backend name (plus banded on CPU); one that cannot train here is reported with
-# its reason.
-PLANS = ("flex", "flex_tuned", "split", "varlen", "flex_fa4")
+# The plans measured: every registered backend but the dense-mask reference; one that cannot train here is reported
+# with its reason.
+PLANS = tuple(name for name in backend_names() if name not in ("auto", "sdpa"))
 # flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size). Never
 # BLOCKS_ARE_CONTIGUOUS: our visited tiles are not adjacent.
 SAFE = {"ROWS_GUARANTEED_SAFE": True}
@@ -185,7 +185,7 @@ def attention(run: Run, args, device, dtype) -> None:
         full = torch.full((H,), T, dtype=torch.int32)
         qkv, dout = inputs(B, H, T, D, device, dtype)
         plans = {"sdpa causal": CausalPlan(tuple(full.tolist()), T)}
-        for name in PLANS + (("banded",) if device.type == "cpu" else ()):
+        for name in PLANS:
             try:
                 plan, reason = plan_for(name, row, T, device)
             except Exception as err:  # a plan that cannot even be built is a result, not a crash
@@ -212,7 +212,8 @@ def attention(run: Run, args, device, dtype) -> None:
                     parity(run, name, plan, qkv, dout, want, sdpa_err, floor)
                 fns[f"{name}|fwd"], fns[f"{name}|fwd+bwd"] = fwd, fwd_bwd
             except Exception as err:
-                run.results["attention"].append({"T": T, "B": B, "plan": name, "error": run.error(f"{name} T={T}", err)})
+                failed = run.error(f"{name} T={T}", err)
+                run.results["attention"].append({"T": T, "B": B, "plan": name, "error": failed})
         if "split" in plans and plans["split"].order is not None:
             fns["split gather+scatter|copies"] = gather_scatter(plans["split"], qkv)
         times = bench.timeit(fns, device, args.repeats)
@@ -315,7 +316,7 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
 
 def end_to_end(run: Run, args, device, dtype) -> None:
     variants = {"full causal": (False, "auto")}
-    for name in ("flex", "flex_tuned", "split", "varlen") if device.type == "cuda" else ("banded", "split"):
+    for name in ("flex", "split", "varlen") if device.type == "cuda" else ("banded", "split"):
         if get_backend(name).available(device, needs_grad=True):
             variants[f"AAH, {name}"] = (True, name)
     for T, B in shapes(args):

@@ -3,10 +3,12 @@
 Every backend computes the same attention, defined by ``masks.window_mask_mod`` (``0 <= q - kv < W[h]``, documents
 optional); they differ in speed and where they run. ``registry.py`` holds the interface (``Backend``, ``Plan``), the
 ``auto`` rule and the fallbacks; ``planner.py`` builds and caches a plan per layer. Importing this package imports
-every backend module, which registers it.
+every module in it, which registers its backends: adding a kernel is adding one file.
 """
 
-from aah_lightning.model.attention import banded, flex, sdpa, split, varlen  # noqa: F401  (registers the backends)
+import importlib
+import pkgutil
+
 from aah_lightning.model.attention.planner import AttentionPlanner
 from aah_lightning.model.attention.registry import (
     AUTO_RULES,
@@ -19,6 +21,9 @@ from aah_lightning.model.attention.registry import (
     register,
     resolve_backend,
 )
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "AUTO_RULES",

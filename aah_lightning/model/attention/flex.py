@@ -190,8 +190,9 @@ def fa4_missing(device: torch.device) -> str | None:
     """Why FA4 through flex cannot run on ``device`` (None when it can)."""
     if device.type != "cuda":
         return f"FlashAttention-4 needs a CUDA GPU, not {device.type}"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return f"FlashAttention-4 needs compute capability >= 9.0, this GPU has {torch.cuda.get_device_capability(device)}"
+    arch = torch.cuda.get_device_capability(device)
+    if arch < (9, 0):
+        return f"FlashAttention-4 needs compute capability >= 9.0, this GPU has {arch[0]}.{arch[1]}"
     try:
         importlib.import_module("flash_attn.cute")
     except Exception as err:  # not installed, or its CUDA libraries do not load
