@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model.attention import banded, flex
-from aah_lightning.model.attention.registry import Backend, Plan, register
+from aah_lightning.model.attention.registry import Backend, Plan, get_backend, register
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.window_math import TileCounts
 
@@ -116,6 +116,7 @@ def windowed_plan(row, seq_len, doc_ids, device, block_size, kernel: str) -> Pla
     return AnyHeadsFlexPlan(plan.row, seq_len, plan.block_mask, options=plan.options, arch=plan.arch)
 
 
+@register
 class SplitBackend(Backend):
     """Full-window heads on fused causal SDPA, windowed heads on ``windowed`` (``None``: flex on CUDA, banded on
     CPU)."""
@@ -130,7 +131,7 @@ class SplitBackend(Backend):
 
     def available(self, device, needs_grad):
         if self.kernel(device) == "flex":
-            return flex.FlexBackend().available(device, needs_grad)
+            return get_backend("flex").available(device, needs_grad)
         return super().available(device, needs_grad)
 
     def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
@@ -148,5 +149,3 @@ class SplitBackend(Backend):
     def cache_key(self, device) -> tuple:
         return (torch.get_num_threads(),) if device.type == "cpu" else ()
 
-
-register(SplitBackend)
