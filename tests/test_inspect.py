@@ -60,6 +60,7 @@ def test_groups_come_from_the_checkpointed_policy_state(checkpoint, tmp_path, ca
         "group_windows": [[[8, 32], [32]], [[4, 16]]],
         "last_step": 1,
     }
+    ckpt["hyper_parameters"]["aah"]["policy"] = "adaptive"  # the policy whose state this is
     edited = tmp_path / "grouped.ckpt"
     torch.save(ckpt, edited)
     assert inspect_windows.main([str(edited), "--out", str(tmp_path / "out"), "--block-size", "8"]) == 0

@@ -271,10 +271,10 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
     try:
         import aah_lightning.aah.controller  # noqa: F401
         from aah_lightning.aah.config import AAHConfig
-        from aah_lightning.aah.policies import POLICIES, make_policy
+        from aah_lightning.aah.policy_base import available_policies, make_policy
     except ImportError:
         return f"### {title}\n\nn/a (controller not available)\n"
-    if "adaptive" not in POLICIES:
+    if "adaptive" not in available_policies():
         return f"### {title}\n\nn/a (controller not available: no 'adaptive' policy registered)\n"
     try:
         T = args.train_seq_len

@@ -21,7 +21,7 @@ import time
 import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 

@@ -262,15 +262,14 @@ class WindowDiagnostics(L.Callback):
             )
             values["aah/block_density"] = sum(density) / len(density)  # every layer has the same tile count
             per_layer["aah/block_density"] = density
-        candidates = getattr(getattr(pl_module, "policy", None), "candidates", None) or []
-        for w in diag.fraction_windows(table, candidates):
+        report = pl_module.policy.report()
+        for w in diag.fraction_windows(table, report.candidates):
             values[f"aah/window_fraction/{w}"] = float((table == w).to(torch.float64).mean())
         rate = diag.change_rate(self._last_table, table)
         if rate is not None:
             values["aah/window_change_rate"] = rate
-        trees = diag.group_trees(getattr(pl_module, "policy", None), table.shape[0])
-        if trees is not None:
-            levels, counts = diag.group_stats(trees)
+        if report.trees is not None:
+            levels, counts = diag.group_stats(report.trees)
             with_tree = [n for n in levels if n > 0]
             values["aah/levels_used"] = sum(with_tree) / len(with_tree)
             per_layer["aah/levels_used"] = levels
@@ -312,8 +311,8 @@ class WindowDiagnostics(L.Callback):
         """Window map and hierarchy text, at the first step after the table or the policy's decision changed - but at
         most once per ``every_n_steps``: drawing the map costs ~0.5 s, which at a control interval of 5 would cost more
         than the training. A change inside that spacing is drawn at the first step the spacing allows."""
-        policy = getattr(pl_module, "policy", None)
-        key = (tuple(table.flatten().tolist()), diag.decision_step(policy))
+        report = pl_module.policy.report()
+        key = (tuple(table.flatten().tolist()), report.last_step)
         if key == self._visual_key:
             return
         if self._visual_step is not None and step - self._visual_step < self.visuals_min_interval:
@@ -326,10 +325,10 @@ class WindowDiagnostics(L.Callback):
                 f"step {step}: ACR {float(metrics.acr(table, seq_len)):.3f}, "
                 f"causal coverage {float(metrics.causal_coverage(table, seq_len)):.3f}"
             )
-            fig = plots.window_map_figure(table, seq_len, getattr(policy, "candidates", None) or [], title)
+            fig = plots.window_map_figure(table, seq_len, report.candidates, title)
             tb.experiment.add_image("aah/window_map", plots.figure_rgb(fig), global_step=step, dataformats="HWC")
         if self.hierarchy:
-            text = diag.hierarchy_text(table, diag.group_trees(policy, table.shape[0]), diag.decision_step(policy))
+            text = diag.hierarchy_text(table, report.trees, report.last_step)
             # Indented four spaces: TensorBoard renders the text as markdown, and this keeps it a preformatted block.
             tb.experiment.add_text("aah/hierarchy", "\n".join("    " + line for line in text.splitlines()), step)
 

@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 
 from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.model.config import GPTConfig

@@ -32,16 +32,12 @@ authors' (those depend on the exact RNG draw order of their model), so parity is
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aah_lightning.aah.controller.allocators import LayerInputs
 from aah_lightning.errors import ConfigError
-
-if TYPE_CHECKING:  # allocators.py registers this class; importing it at runtime here would be circular
-    from aah_lightning.aah.controller.allocators import LayerInputs
 
 N_BASE = 9  # the paper feature family (features.FeatureLayout.paper)
 N_INPUT = 3 * N_BASE + 2  # 29: features, level scalar, parent difference, global offset, size fraction
