@@ -18,7 +18,7 @@ from aah_lightning.aah.policies import StaticPolicy
 from aah_lightning.aah.policy_base import PolicyReport
 from aah_lightning.aah.probe import ProbeResult, full_causal_probs, mass_within, run_probe
 from aah_lightning.cli import main
-from aah_lightning.lit.callbacks import WindowDiagnostics
+from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import masks
@@ -112,7 +112,7 @@ def test_reading_the_plans_in_use_builds_nothing():
                        aah=AAHConfig("static", table=STATIC))
     module.model(torch.randint(0, 257, (2, T)))  # the training forward builds the plans
     builds = module.model.planner.builds
-    values = WindowDiagnostics().table_scalars(module, torch.tensor(STATIC), T)
+    values = TableScalars().values(module, torch.tensor(STATIC), T, module.policy.report())
     assert module.model.planner.builds == builds
     assert values["aah/block_density"] == pytest.approx(61 / 80)
 

@@ -22,6 +22,7 @@ import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.policy_base import make_policy
+from aah_lightning.data.batch import split_batch
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -100,8 +101,8 @@ def main(argv=None) -> None:
         sync()
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(batch["tokens"][:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["tokens"][:, 1:].flatten())
+            inputs, targets, _ = split_batch(batch)
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.policy_base import make_policy
+from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.model.config import GPTConfig
@@ -138,9 +139,9 @@ class AAHModule(L.LightningModule):
         return self.model(tokens, doc_ids)
 
     def _loss(self, batch) -> torch.Tensor:
-        tokens, docs = batch["tokens"], batch["doc_ids"]
-        logits = self.model(tokens[:, :-1], docs[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        inputs, targets, docs = split_batch(batch)
+        logits = self.model(inputs, docs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.

@@ -33,6 +33,7 @@ from aah_lightning.aah.controller.hierarchy import GroupTree, Hierarchy, build_h
 from aah_lightning.aah.controller.registry import make_allocator
 from aah_lightning.aah.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.aah.probe import run_probe
+from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import ConfigError
 
 
@@ -77,8 +78,7 @@ class AdaptivePolicy(WindowPolicy):
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
             return None
-        docs = batch.get("doc_ids")
-        tokens, docs = batch["tokens"][:, :-1], None if docs is None else docs[:, :-1]
+        tokens, _, docs = split_batch(batch)
         previous = self.table
         table = self.decide(self.measure(model, tokens, docs), step)
         return None if previous is not None and torch.equal(previous, table) else table
