@@ -14,7 +14,7 @@ class Split(NamedTuple):
 
 
 def split_batch(batch: dict) -> Split:
-    """A batch of packed ``T + 1`` blocks (``tokens`` and optional ``doc_ids``, ``[B, T + 1]``) as inputs and targets."""
+    """A batch of packed ``T + 1`` blocks (``tokens``, optional ``doc_ids``: ``[B, T + 1]``) as inputs and targets."""
     tokens, docs = batch["tokens"], batch.get("doc_ids")
     return Split(tokens[:, :-1], tokens[:, 1:], None if docs is None else docs[:, :-1])
 

@@ -48,7 +48,6 @@ class TableScalars:
     def __init__(self, per_layer: bool = True, block_density: bool = True):
         self.per_layer = per_layer
         self.block_density = block_density
-        self.block_density_sources: list[str] = []  # per layer: "blockmask" or "analytic", at the last call
 
     def values(
         self, pl_module, table: Tensor, seq_len: int, report: PolicyReport, previous: Tensor | None = None
@@ -62,7 +61,7 @@ class TableScalars:
             "aah/causal_coverage": diag.layer_causal_coverage(table, seq_len),
         }
         if self.block_density:
-            density, self.block_density_sources = diag.plan_block_density(
+            density, _ = diag.plan_block_density(
                 self.plans_in_use(pl_module, seq_len), table, seq_len, pl_module.model.cfg.block_size
             )
             values["aah/block_density"] = sum(density) / len(density)  # every layer has the same tile count

@@ -93,28 +93,11 @@ class AAHModule(L.LightningModule):
             aah = AAHConfig(**aah)
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
-        # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters(
-            dict(
-                n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=vocab_size,
-                mlp_ratio=mlp_ratio, bias=bias, rope_base=rope_base, backend=backend, block_size=block_size,
-                document_mask=document_mask, compile_blocks=compile_blocks,
-                activation_checkpointing=activation_checkpointing, aah=asdict(aah), optim=asdict(optim),
-            )
-        )
-        self.gpt_config = GPTConfig(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_embd=n_embd,
-            mlp_ratio=mlp_ratio,
-            bias=bias,
-            rope_base=rope_base,
-            backend=backend,
-            block_size=block_size,
-            document_mask=document_mask,
-        )
+        # The arguments as flat hyperparameters (the model.* keys), the settings dataclasses as plain dicts: checkpoints
+        # load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["aah", "optim"])
+        self.hparams.update(aah=asdict(aah), optim=asdict(optim))
+        self.gpt_config = GPTConfig.from_settings(self.hparams)
         optim.validate()
         self.aah_config, self.optim_config = aah, optim
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
