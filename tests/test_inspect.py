@@ -1,7 +1,6 @@
 """tools/inspect_windows.py on real checkpoints of a tiny run."""
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +13,9 @@ from PIL import Image
 from aah_lightning.aah import metrics, plots
 from aah_lightning.cli import main as aah
 from aah_lightning.model import masks
+from tools import inspect_windows
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("inspect_windows", ROOT / "tools" / "inspect_windows.py")
-inspect_windows = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(inspect_windows)
 
 
 @pytest.fixture(scope="module")

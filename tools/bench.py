@@ -37,6 +37,7 @@ from aah_lightning.model import banded, masks
 from aah_lightning.model.backends import AttentionPlanner, LayerPlan, attend, compiled_flex_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.reporting import md_table, sync
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
 SUMMARY: list[list] = []  # [target, measured, verdict] rows, filled by the sections
@@ -48,11 +49,6 @@ def check(target: str, value: float, limit: float, text: str, higher_is_better: 
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------------
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU time of all threads; steadier on a busy machine)
 
 
@@ -90,12 +86,6 @@ def window_mix(seq_len: int, heads: int, shares=PAPER_MIX) -> torch.Tensor:
     for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: heads - sum(counts)]:
         counts[i] += 1
     return torch.tensor([c for c, n in zip(cands, counts) for _ in range(n)], dtype=torch.int32)
-
-
-def md_table(title: str, header: list[str], rows: list[list]) -> str:
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def emit(text: str) -> None:
