@@ -1,7 +1,7 @@
 """The ``paper`` allocator: the authors' decision procedure with untrained, seeded networks.
 
-Checked against a literal transcription of the reference's procedure (reference_implementation_analysis.md section
-7.1-7.3) written here with ``nn.Linear`` modules; deterministic for a seed; the parent constraint; no gradient path
+Checked against a literal transcription of the authors' procedure (inputs, networks, top-down argmax; docs/method.md)
+written here with ``nn.Linear`` modules; deterministic for a seed; the parent constraint; no gradient path
 (and weights bit-identical after training); state round-trips through ``torch.load(weights_only=True)``.
 """
 

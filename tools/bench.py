@@ -1,4 +1,4 @@
-"""Do the windows pay? One command, every number side by side (issue 7).
+"""Do the windows pay? One command, every number side by side.
 
     PYTHONPATH=. python tools/bench.py                  # CPU, fp32, all sections
     PYTHONPATH=. python tools/bench.py --device cuda    # GPU, bf16, flex forward+backward compiled
@@ -427,7 +427,7 @@ def main(argv=None) -> None:
     if "e" in args.sections:
         emit(section_e(args, device, dtype))
     if SUMMARY:
-        emit(md_table("targets (issue 7)", ["target", "measured", "verdict"], SUMMARY))
+        emit(md_table("targets", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")
 
 

@@ -30,10 +30,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model import banded, masks
 
-# CPU training and inference: banded from this length on (tools/bench.py: its forward is also faster than compiled
-# flex on CPU - 0.75-0.87x of flex causal time x block density at T=4096 - and needs no ~10 s compile). Measured fwd+bwd (B=4, H=8, D=64, windows T/8 x4, T/4 x2, T/2, T; one
-# thread): T=128 dense mask 7.9 ms, banded 9.7 ms; T=256 29 vs 22 ms; T=1024 443 vs 194 ms. Below it the dense mask
-# wins because the banded parts are too small to amortise their extra kernel calls.
+# CPU training and inference: banded from this length on (its forward also beats compiled flex on CPU, which needs a
+# compile). Below it the dense mask wins: the banded parts are too small to amortise their extra kernel calls.
+# Measurements: docs/benchmarks.md, "Numbers behind choices in the code".
 CPU_BANDED_MIN_SEQ_LEN = 256
 
 _compiled_flex = None

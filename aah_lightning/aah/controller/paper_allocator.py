@@ -8,7 +8,7 @@ handed to the optimizer, used under ``no_grad``. The "learned" windows of the pa
 function of the heads' statistics; this allocator exists so that function can be run and compared, not because it
 is a good way to choose windows (``reach`` is the project's default).
 
-Procedure (reference_implementation_analysis.md section 7), per layer, on the layer's hierarchy of head groups:
+Procedure (the authors' code; docs/method.md), per layer, on the layer's hierarchy of head groups:
 
 * Inputs per group at level l of an L-level hierarchy, 29 numbers ("enriched"): the group's 9 ``paper`` features
   X (mean of the heads below it), the level scalar l / max(1, L - 1), the parent difference X - X[parent] (zeros at
