@@ -17,7 +17,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from aah_lightning import validation
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
-from aah_lightning.lit.callbacks import Throughput, WindowDiagnostics
+from aah_lightning.lit.callbacks import Throughput
+from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group

@@ -27,8 +27,8 @@ _LIGHTNING_KEYWORDS = ("best", "hpc", "registry")
 
 def check_run(module, datamodule, device: torch.device, stage: str) -> None:
     """The tokenizer fits the model's vocabulary and the backend can run on ``device`` for ``stage``."""
-    hp = getattr(module, "hparams", {})
-    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), hp.get("vocab_size")
+    cfg = module.gpt_config
+    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), cfg.vocab_size
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         tokenizer = getattr(datamodule, "hparams", {}).get("tokenizer")
         raise ConfigError(
@@ -36,12 +36,10 @@ def check_run(module, datamodule, device: torch.device, stage: str) -> None:
             f"the model needs at least {data_vocab} embeddings (leave model.vocab_size linked to the data, or use the "
             f"tokenizer the model was built for)"
         )
-    backend = hp.get("backend")
-    if backend is not None:
-        try:
-            resolve_backend(backend, torch.device(device), needs_grad=(stage == "fit"), seq_len=hp.get("seq_len", 0))
-        except BackendUnavailable as e:
-            raise ConfigError(str(e)) from e
+    try:
+        resolve_backend(cfg.backend, torch.device(device), needs_grad=(stage == "fit"), seq_len=cfg.seq_len)
+    except BackendUnavailable as e:
+        raise ConfigError(str(e)) from e
 
 
 def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:

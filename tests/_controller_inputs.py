@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.aah.probe import ProbeResult
 
 

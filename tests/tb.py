@@ -1,14 +1,14 @@
 """Read TensorBoard event files back with TensorBoard's own reader."""
 
-import glob
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from aah_lightning.reporting import event_files
 
 
 def read_events(log_root):
     """All tags of all event files under ``log_root``: {'scalars': {tag: [(step, value)]}, 'histograms': {...}}."""
     out = {"scalars": {}, "histograms": {}, "images": {}, "text": {}}
-    for path in sorted(glob.glob(f"{log_root}/**/events.out.tfevents.*", recursive=True)):
+    for path in event_files(str(log_root)):
         acc = EventAccumulator(path, size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
         acc.Reload()
         tags = acc.Tags()

@@ -1,17 +1,12 @@
 """tools/bench.py runs end to end on tiny shapes (no compile: sections b and d only; the rest needs minutes)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tools import bench
 
 
 @pytest.mark.heavy  # an end-to-end tool run (~15 s on a quiet 2-core machine)
 def test_bench_tiny_sections_b_and_d(capsys):
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
-    spec = importlib.util.spec_from_file_location("aah_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     bench.main(["--sections", "bd", "--train-seq-len", "256", "--train-repeats", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "(b) training step" in out and "auto -> banded" in out and "auto -> causal" in out

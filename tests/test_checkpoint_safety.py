@@ -16,7 +16,7 @@ import torch
 
 from _cli_helpers import PYTHON, cli_error, subprocess_env, tiny_config, train_tiny
 from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policies import POLICIES
+from aah_lightning.aah.policy_base import available_policies
 from aah_lightning.cli import AAHCLI, main
 from aah_lightning.errors import CheckpointWriteError
 from aah_lightning.lit import checkpointing
@@ -103,7 +103,7 @@ def test_last_means_the_newest_complete_last_checkpoint(tmp_path):
     assert resolve_ckpt_path(trainer, "last") == str(folder / "last-v1.ckpt")
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", sorted(available_policies()))
 def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
     aah = AAHConfig(policy=policy, candidates=[8, 16, 32], window=16, table=[[8, 32], [16, 8]], redraw_interval=1)
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty

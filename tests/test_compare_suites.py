@@ -1,18 +1,12 @@
 """tools/compare_suites.py: two suites' paired differences side by side, on hand-made results.csv files."""
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))  # compare_suites imports suite as a sibling script does
-spec = importlib.util.spec_from_file_location("compare_suites", ROOT / "tools" / "compare_suites.py")
-compare_suites = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare_suites)
-import suite  # noqa: E402  (tools/ is on the path now)
+from tools import compare_suites, suite
+
 FIELDS = ["row", "seed", "wall_s", *suite.COLUMNS]  # the columns tools/suite.py writes
 
 

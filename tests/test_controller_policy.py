@@ -9,7 +9,7 @@ from _controller_inputs import adaptive, one_thread, synthetic_features  # noqa:
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.controller.adaptive import AdaptivePolicy
-from aah_lightning.aah.policies import POLICIES, make_policy
+from aah_lightning.aah.policy_base import POLICIES, make_policy
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
@@ -250,14 +250,16 @@ def test_diagnostics_read_the_decision_from_the_policy_and_from_its_checkpointed
     from aah_lightning.aah import diagnostics
 
     policy = feed_policy(n_layer=2, depth=2, threshold=0.5)
+    assert policy.report().trees is None and policy.report().last_step is None  # before the first decision
     rows = torch.stack([torch.stack([LOCAL, LOCAL, MID, MID, FAR, FAR]), torch.stack([LOCAL] * 5 + [FAR])])
     table = policy.decide(synthetic_features(policy, rows), step=7)
-    for source in (policy, _roundtrip(policy.state_dict())):
-        trees = diagnostics.group_trees(source, 2)
+    state = _roundtrip(policy.state_dict())
+    for report in (policy.report(), AdaptivePolicy.report_from_state(state, CANDS)):
+        trees = report.trees
         assert [t.levels for t in trees] == [h.levels for h in policy.hierarchies]
         assert [t.windows for t in trees] == policy.group_windows
         assert diagnostics.group_stats(trees) == (policy.levels_used(), policy.group_counts())
-        assert diagnostics.decision_step(source) == 7
-    assert [t.windows[0] for t in diagnostics.group_trees(policy, 2)] == [
+        assert report.last_step == 7 and report.candidates == CANDS
+    assert [t.windows[0] for t in policy.report().trees] == [
         [int(table[layer, g[0]]) for g in policy.hierarchies[layer].levels[0]] for layer in range(2)
     ]

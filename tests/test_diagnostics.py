@@ -12,9 +12,13 @@ from PIL import Image
 from aah_lightning.aah import diagnostics as diag
 from aah_lightning.aah import plots
 from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.controller.adaptive import AdaptivePolicy
+from aah_lightning.aah.controller.hierarchy import GroupTree
+from aah_lightning.aah.policies import StaticPolicy
+from aah_lightning.aah.policy_base import PolicyReport
 from aah_lightning.aah.probe import ProbeResult, full_causal_probs, mass_within, run_probe
 from aah_lightning.cli import main
-from aah_lightning.lit.callbacks import WindowDiagnostics
+from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import masks
@@ -111,7 +115,7 @@ def test_reading_the_plans_in_use_builds_nothing():
                        aah=AAHConfig("static", table=STATIC))
     module.model(torch.randint(0, 257, (2, T)))  # the training forward builds the plans
     builds = module.model.planner.builds
-    values = WindowDiagnostics().table_scalars(module, torch.tensor(STATIC), T)
+    values = TableScalars().values(module, torch.tensor(STATIC), T, module.policy.report())
     assert module.model.planner.builds == builds
     assert values["aah/block_density"] == pytest.approx(61 / 80)
 
@@ -172,26 +176,16 @@ GROUP_WINDOWS = [[[4, 8, 16], [8, 16], [16]], [[32]]]
 GROUPED_TABLE = [[4, 4, 8, 16], [32, 32, 32, 32]]
 
 
-class Levels:  # an object with .levels, like the controller's Hierarchy
-    def __init__(self, levels):
-        self.levels = levels
+TREES = [GroupTree(levels, windows) for levels, windows in zip(HIERARCHY, GROUP_WINDOWS)]
 
 
-def test_group_trees_read_a_policy_and_its_state():
-    policy = type("P", (), {})()
-    policy.hierarchies = [Levels(h) for h in HIERARCHY]
-    policy.group_windows = GROUP_WINDOWS
-    policy.last_step = 7
-    state = {"hierarchies": HIERARCHY, "group_windows": GROUP_WINDOWS, "last_step": 7}
-    for source in (policy, state):
-        trees = diag.group_trees(source, 2)
-        levels, counts = diag.group_stats(trees)
-        assert levels == [3, 1] and counts == [[3, 2, 1], [1]]
-        assert [trees[0].group_of(h) for h in range(4)] == [0, 0, 1, 2]
-        assert diag.decision_step(source) == 7
+def test_group_stats_and_hierarchy_text():
+    levels, counts = diag.group_stats(TREES)
+    assert levels == [3, 1] and counts == [[3, 2, 1], [1]]
+    assert [TREES[0].group_of(h) for h in range(4)] == [0, 0, 1, 2]
     # layer 1 has no level 1 or 2: nothing merged further, so its single group counts there
     assert diag.mean_group_counts(counts) == [2.0, 1.5, 1.0]
-    text = diag.hierarchy_text(torch.tensor(GROUPED_TABLE), trees, 7)
+    text = diag.hierarchy_text(torch.tensor(GROUPED_TABLE), TREES, 7)
     assert text.splitlines() == [
         "decision at step 7",
         "layer 0: 3 level(s), groups per level [3, 2, 1]",
@@ -204,23 +198,26 @@ def test_group_trees_read_a_policy_and_its_state():
         "layer 1: 1 level(s), groups per level [1]",
         "  L0.g0 W=32: h0=32 h1=32 h2=32 h3=32",
     ]
-    # no hierarchy before the first decision, or a policy without groups
-    assert diag.group_trees({"hierarchies": [None, None], "last_step": -1}, 2) is None
-    assert diag.group_trees(object(), 2) is None
-    assert diag.decision_step({"last_step": -1}) is None
+    # a policy without groups: each layer's heads and windows
+    assert diag.hierarchy_text(torch.tensor(GROUPED_TABLE), None).splitlines()[1] == "layer 1: h0=32  h1=32  h2=32  h3=32"
+
+
+def test_a_policy_without_groups_reports_none():
+    report = StaticPolicy.report_from_state({}, [8, 16])
+    assert report.trees is None and report.last_step is None and report.candidates == [8, 16]
+    assert AdaptivePolicy.report_from_state({"hierarchies": [None, None], "last_step": -1}, [8]).trees is None
 
 
 def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
     module = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa",
                        aah=AAHConfig("static", table=GROUPED_TABLE))
-    module.policy.hierarchies = [Levels(h) for h in HIERARCHY]
-    module.policy.group_windows = GROUP_WINDOWS
-    module.policy.last_step = 0
+    decided = {"step": 0}
+    module.policy.report = lambda: PolicyReport([4, 8, 16, 32], decided["step"], TREES)
 
     def decide(step, model, batch):  # a new decision at step 2 that keeps every window
         if step == 2:
-            module.policy.last_step = step
+            decided["step"] = step
 
     module.policy.on_train_step = decide
     trainer = L.Trainer(

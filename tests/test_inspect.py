@@ -1,7 +1,6 @@
 """tools/inspect_windows.py on real checkpoints of a tiny run."""
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +13,9 @@ from PIL import Image
 from aah_lightning.aah import metrics, plots
 from aah_lightning.cli import main as aah
 from aah_lightning.model import masks
+from tools import inspect_windows
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("inspect_windows", ROOT / "tools" / "inspect_windows.py")
-inspect_windows = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(inspect_windows)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +57,7 @@ def test_groups_come_from_the_checkpointed_policy_state(checkpoint, tmp_path, ca
         "group_windows": [[[8, 32], [32]], [[4, 16]]],
         "last_step": 1,
     }
+    ckpt["hyper_parameters"]["aah"]["policy"] = "adaptive"  # the policy whose state this is
     edited = tmp_path / "grouped.ckpt"
     torch.save(ckpt, edited)
     assert inspect_windows.main([str(edited), "--out", str(tmp_path / "out"), "--block-size", "8"]) == 0

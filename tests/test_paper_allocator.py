@@ -1,7 +1,7 @@
 """The ``paper`` allocator: the authors' decision procedure with untrained, seeded networks.
 
-Checked against a literal transcription of the reference's procedure (reference_implementation_analysis.md section
-7.1-7.3) written here with ``nn.Linear`` modules; deterministic for a seed; the parent constraint; no gradient path
+Checked against a literal transcription of the authors' procedure (inputs, networks, top-down argmax; docs/method.md)
+written here with ``nn.Linear`` modules; deterministic for a seed; the parent constraint; no gradient path
 (and weights bit-identical after training); state round-trips through ``torch.load(weights_only=True)``.
 """
 
@@ -13,10 +13,11 @@ import torch.nn as nn
 from _controller_inputs import one_thread, random_profiles, synthetic_features  # noqa: F401  (one_thread: fixture)
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.controller.allocators import ALLOCATORS, LayerInputs, make_allocator
+from aah_lightning.aah.controller.allocators import LayerInputs
+from aah_lightning.aah.controller.registry import ALLOCATORS, make_allocator
 from aah_lightning.aah.controller.hierarchy import Hierarchy
 from aah_lightning.aah.controller.paper_allocator import PaperAllocator
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.cli import main
 
 CANDS = [8, 16, 32, 64]

@@ -2,19 +2,14 @@
 runs' TensorBoard events read back independently with tests/tb.py."""
 
 import csv
-import importlib.util
 import math
 import os
 import statistics
-from pathlib import Path
 
 import pytest
 from tb import read_events
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("suite", ROOT / "tools" / "suite.py")
-suite = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(suite)
+from tools import suite
 
 BASE = """\
 seed_everything: 0

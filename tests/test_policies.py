@@ -5,7 +5,7 @@ import torch
 import yaml
 
 from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 

@@ -1,4 +1,4 @@
-"""Do the windows pay? One command, every number side by side (issue 7).
+"""Do the windows pay? One command, every number side by side.
 
     PYTHONPATH=. python tools/bench.py                  # CPU, fp32, all sections
     PYTHONPATH=. python tools/bench.py --device cuda    # GPU, bf16, flex forward+backward compiled
@@ -39,6 +39,7 @@ from aah_lightning.model.attention.flex import FlexPlan, compiled_flex_attention
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.reporting import md_table, sync
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
 SUMMARY: list[list] = []  # [target, measured, verdict] rows, filled by the sections
@@ -50,11 +51,6 @@ def check(target: str, value: float, limit: float, text: str, higher_is_better: 
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------------
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU time of all threads; steadier on a busy machine)
 
 
@@ -97,12 +93,6 @@ def window_mix(seq_len: int, heads: int, shares=PAPER_MIX) -> torch.Tensor:
 def flex_plan(row: torch.Tensor, seq_len: int, device) -> FlexPlan:
     """A flex plan with the heads in the given order (no balancing)."""
     return FlexPlan(tuple(row.tolist()), seq_len, masks.window_block_mask(row.to(device), seq_len))
-
-
-def md_table(title: str, header: list[str], rows: list[list]) -> str:
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def emit(text: str) -> None:
@@ -278,10 +268,10 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
     try:
         import aah_lightning.aah.controller  # noqa: F401
         from aah_lightning.aah.config import AAHConfig
-        from aah_lightning.aah.policies import POLICIES, make_policy
+        from aah_lightning.aah.policy_base import available_policies, make_policy
     except ImportError:
         return f"### {title}\n\nn/a (controller not available)\n"
-    if "adaptive" not in POLICIES:
+    if "adaptive" not in available_policies():
         return f"### {title}\n\nn/a (controller not available: no 'adaptive' policy registered)\n"
     try:
         T = args.train_seq_len
@@ -444,7 +434,7 @@ def main(argv=None) -> None:
     if "e" in args.sections:
         emit(section_e(args, device, dtype))
     if SUMMARY:
-        emit(md_table("targets (issue 7)", ["target", "measured", "verdict"], SUMMARY))
+        emit(md_table("targets", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")
 
 

@@ -21,9 +21,11 @@ import time
 import torch
 
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
+from aah_lightning.data.batch import split_batch
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.reporting import md_table, sync
 
 
 def main(argv=None) -> None:
@@ -64,18 +66,14 @@ def main(argv=None) -> None:
                          args.n_layer, args.n_head, T)
     model.set_windows(policy.initial_table())
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     timings = {"measure": [], "decide": [], "masks": []}
 
     def timed(name, fn):
         def wrapper(*a, **kw):
-            sync()
+            sync(device)
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            sync()
+            sync(device)
             timings[name].append(time.perf_counter() - t0)
             return out
         return wrapper
@@ -97,15 +95,15 @@ def main(argv=None) -> None:
             model.set_windows(table)
             with torch.enable_grad():  # build the training plans now, so their cost is the controller's
                 timed("masks", model.attention_plans)(T)
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(batch["tokens"][:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["tokens"][:, 1:].flatten())
+            inputs, targets, _ = split_batch(batch)
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sync()
+        sync(device)
         if step >= args.warmup:
             step_times.append(time.perf_counter() - t0)
 
@@ -121,14 +119,14 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, {shape}, "
           f"{len(timings['decide'])} decisions, {changes} table changes")
     print()
-    print("| part | ms |")
-    print("|---|---|")
-    print(f"| training step (median of {len(step_times)}) | {train_ms:.2f} |")
-    print(f"| control step: probe + features (`measure`) | {parts['measure']:.2f} |")
-    print(f"| control step: decision on CPU (`decide`) | {parts['decide']:.2f} |")
-    print(f"| control step: mask rebuild after a change | {parts['masks']:.2f} |")
-    print(f"| control step total | {per_control:.2f} |")
-    print(f"| **overhead at control_interval {interval}** | **{overhead:.2f} %** |")
+    print(md_table(None, ["part", "ms"], [
+        [f"training step (median of {len(step_times)})", f"{train_ms:.2f}"],
+        ["control step: probe + features (`measure`)", f"{parts['measure']:.2f}"],
+        ["control step: decision on CPU (`decide`)", f"{parts['decide']:.2f}"],
+        ["control step: mask rebuild after a change", f"{parts['masks']:.2f}"],
+        ["control step total", f"{per_control:.2f}"],
+        [f"**overhead at control_interval {interval}**", f"**{overhead:.2f} %**"],
+    ]))
 
 
 if __name__ == "__main__":

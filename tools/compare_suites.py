@@ -17,7 +17,7 @@ import os
 import shlex
 import sys
 
-from suite import BASELINE, mean_std, paired_diffs
+from aah_lightning.reporting import BASELINE, mean_std, paired_diffs
 
 
 def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:

@@ -21,6 +21,8 @@ import torch
 from aah_lightning.aah import diagnostics as diag
 from aah_lightning.aah import metrics, plots
 from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.policy_base import PolicyReport, policy_class
+from aah_lightning.errors import ConfigError
 
 
 class InspectError(ValueError):
@@ -54,14 +56,24 @@ def load(path) -> dict:
         "block_size": hp.get("block_size", 128),
         "policy": aah.get("policy", "?"),
         "candidates": aah.get("candidates"),
-        "policy_state": ckpt.get("aah_policy") or None,
+        "report": policy_report(aah, ckpt.get("aah_policy") or {}, hp.get("seq_len")),
         "step": ckpt.get("global_step"),
     }
 
 
+def policy_report(aah: dict, state: dict, seq_len: int | None) -> PolicyReport:
+    """What the checkpoint's policy decided (its groups), rebuilt from its saved state without building it."""
+    candidates = aah.get("candidates") or (AAHConfig().resolved_candidates(seq_len) if seq_len else [])
+    try:
+        cls = policy_class(aah["policy"]) if "policy" in aah else None
+    except ConfigError:  # a plugin policy that is not importable here: show the table without its groups
+        cls = None
+    return PolicyReport(candidates) if cls is None else cls.report_from_state(state, candidates)
+
+
 def report(info: dict, seq_len: int, block_size: int) -> str:
     table = info["table"]
-    trees = diag.group_trees(info["policy_state"], table.shape[0])
+    trees = info["report"].trees
     acr, cov = diag.layer_acr(table, seq_len), diag.layer_causal_coverage(table, seq_len)
     dens = diag.layer_block_density(table, seq_len, block_size)
     width = max(len(str(int(w))) for w in table.flatten())
@@ -83,7 +95,7 @@ def report(info: dict, seq_len: int, block_size: int) -> str:
     candidates = info["candidates"] or AAHConfig().resolved_candidates(seq_len)
     shares = [f"W={w} {float((table == w).double().mean()):.1%}" for w in diag.fraction_windows(table, candidates)]
     lines += ["window fractions: " + ", ".join(shares), "", "hierarchy:"]
-    text = diag.hierarchy_text(table, trees, diag.decision_step(info["policy_state"]))
+    text = diag.hierarchy_text(table, trees, info["report"].last_step)
     if trees is None:
         lines.append(f"  (policy {info['policy']} has no groups: heads and windows per layer)")
     lines += ["  " + line for line in text.splitlines()]
@@ -127,8 +139,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(report(info, seq_len, block_size))
-    trees = diag.group_trees(info["policy_state"], table.shape[0])
-    write_csv(out / "windows.csv", table, trees)
+    write_csv(out / "windows.csv", table, info["report"].trees)
     title = (
         f"step {info['step']}, policy {info['policy']}: ACR {float(metrics.acr(table, seq_len)):.3f}, "
         f"causal coverage {float(metrics.causal_coverage(table, seq_len)):.3f}"

@@ -28,7 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from aah_lightning.reporting import BASELINE, mean_std, paired_diffs, read_scalars
 
 # Scalars read from each run: column -> (tag, how to reduce the logged series)
 COLUMNS = {
@@ -44,7 +44,6 @@ COLUMNS = {
     "attention_mass_coverage": ("aah/attention_mass_coverage", "last"),
     "tokens_per_sec": ("perf/tokens_per_sec", "median"),
 }
-BASELINE = "baseline"
 
 
 def row_files(rows_dir: str) -> list[str]:
@@ -81,28 +80,6 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
     ]
 
 
-def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series of a run. A resumed run has one events file per attempt and re-logs the steps between
-    its checkpoint and the interruption: the newest file's value of a step wins."""
-    series: dict[str, dict[int, float]] = {}
-    paths = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
-    for path in sorted(paths, key=events_file_time):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, {}).update((e.step, e.value) for e in acc.Scalars(tag))
-    return {tag: sorted(values.items()) for tag, values in series.items()}
-
-
-def events_file_time(path: str) -> tuple[float, str]:
-    """events.out.tfevents.<unix time>.<host>...: when the writer opened it (ties broken by name)."""
-    name = os.path.basename(path)
-    try:
-        return float(name.split(".")[3]), name
-    except (IndexError, ValueError):
-        return os.path.getmtime(path), name
-
-
 def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
     out = {}
     for column, (tag, how) in COLUMNS.items():
@@ -120,22 +97,10 @@ def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
     return out
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def fmt(mean: float, std: float, digits: int = 4) -> str:
     if math.isnan(mean):
         return "–"
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def paired_diffs(recs: list[dict], base: dict[int, float]) -> list[float]:
-    """Each run's val loss minus the same seed's baseline run: the initialisation noise partly cancels."""
-    return [x["val_loss"] - base[x["seed"]] for x in recs if x["seed"] in base]
 
 
 def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from aah_lightning.aah.controller.allocators import window_costs
+from aah_lightning.aah.controller.registry import ALLOCATORS
+from aah_lightning.aah.policy_base import policy_class
 from aah_lightning.errors import ConfigError, require
 
 
@@ -73,8 +76,6 @@ class ControllerConfig:
     reuse_groups: bool = False
 
     def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
-        from aah_lightning.aah.controller.allocators import ALLOCATORS, window_costs
-
         key = "model.aah.controller."
         require(
             self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
@@ -145,7 +146,8 @@ class AAHConfig:
     policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static`` (explicit ``table``),
         ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``),
         ``shuffle`` (the controller's table with each layer's windows permuted among its heads, re-permuted at
-        every decision and, if ``redraw_interval`` > 0, every that many steps; a control).
+        every decision and, if ``redraw_interval`` > 0, every that many steps; a control), or ``module:name`` of a
+        policy registered in an importable module (docs/architecture.md, "Adding a window policy").
     candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
     window: the window of the ``fixed`` policy.
     table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
@@ -174,9 +176,8 @@ class AAHConfig:
         return list(self.candidates)
 
     def validate(self, seq_len: int, n_layer: int, n_head: int) -> None:
-        from aah_lightning.aah.policies import POLICIES
-
-        require(self.policy in POLICIES, "model.aah.policy", self.policy, f"one of {', '.join(sorted(POLICIES))}")
+        """The shared settings, then the chosen policy's own (``WindowPolicy.validate``)."""
+        policy = policy_class(self.policy)
         cands = self.resolved_candidates(seq_len)
         require(len(cands) > 0, "model.aah.candidates", self.candidates, "a non-empty list of window sizes")
         for c in cands:
@@ -187,34 +188,5 @@ class AAHConfig:
                 f"every window an integer in [1, seq_len={seq_len}] (bad entry {c!r})",
             )
         require(cands == sorted(set(cands)), "model.aah.candidates", self.candidates, "ascending, without repeats")
-        if self.policy == "fixed":
-            require(
-                isinstance(self.window, int) and 0 < self.window <= seq_len,
-                "model.aah.window",
-                self.window,
-                f"an integer in [1, seq_len={seq_len}] (the fixed policy's window)",
-            )
-        if self.policy == "static":
-            table = self.table
-            shape_ok = (
-                isinstance(table, list)
-                and len(table) == n_layer
-                and all(isinstance(row, list) and len(row) == n_head for row in table)
-            )
-            if not shape_ok:
-                got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
-                raise ConfigError(
-                    f"model.aah.table has row lengths {got}: the static policy needs n_layer={n_layer} rows of "
-                    f"n_head={n_head} windows each"
-                )
-            for row in table:
-                for w in row:
-                    require(
-                        isinstance(w, int) and 0 < w <= seq_len,
-                        "model.aah.table",
-                        w,
-                        f"every window an integer in [1, seq_len={seq_len}]",
-                    )
         require(self.redraw_interval >= 0, "model.aah.redraw_interval", self.redraw_interval, "0 (draw once) or more")
-        if self.policy in ("adaptive", "shuffle"):
-            self.controller.validate(cands, seq_len, n_head)
+        policy.validate(self, seq_len, n_layer, n_head)

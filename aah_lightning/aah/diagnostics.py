@@ -2,28 +2,20 @@
 the attention plans actually used, window changes, and the policy's hierarchy of head groups.
 
 Everything here works on CPU copies (the planner's host mirror of the table, a checkpoint's state) and is called at
-log steps or by the inspect tool, never on the training hot path.
-
-The hierarchy is read from the policy (or its checkpointed ``state_dict``) with these names, all optional:
-
-* ``hierarchies[l]``: per layer, None or the levels of layer l's hierarchy, either an object with ``.levels`` or the
-  plain list; ``levels[level][group]`` is a list of head indices; level 0 is the finest, every level a partition of
-  the heads.
-* ``group_windows[l]``: per layer, None or ``[level][group]`` window chosen for each group.
-* ``partitions[l]``: level-0 groups only, used when ``hierarchies`` is absent.
-* ``last_step``: step of the last decision (None or -1 before the first).
+log steps or by the inspect tool, never on the training hot path. The hierarchy comes from the policy's
+``PolicyReport`` (``policy.report()``, or ``report_from_state`` of a checkpoint): per layer a ``GroupTree`` whose
+``levels[level][group]`` are head indices (level 0 the finest) and ``windows[level][group]`` the chosen windows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from aah_lightning.aah import metrics
-from aah_lightning.aah.controller.hierarchy import Hierarchy
+from aah_lightning.aah.controller.hierarchy import GroupTree
 from aah_lightning.model import window_math
 
 
@@ -69,69 +61,6 @@ def change_rate(previous: Tensor | None, table: Tensor) -> float | None:
 
 
 # -- the hierarchy of head groups ---------------------------------------------------------------------------------
-@dataclass
-class GroupTree(Hierarchy):
-    """One layer's hierarchy as diagnostics read it (from a live policy or a checkpoint's state):
-    ``levels[level][group]`` head indices, plus ``windows[level][group]`` (or None)."""
-
-    windows: list[list[int]] | None = None
-
-    def group_of(self, head: int, level: int = 0) -> int | None:
-        for g, heads in enumerate(self.levels[level]):
-            if head in heads:
-                return g
-        return None
-
-
-def _get(source, name: str):
-    if isinstance(source, Mapping):
-        return source.get(name)
-    return getattr(source, name, None)
-
-
-def _levels(entry) -> list[list[list[int]]] | None:
-    levels = getattr(entry, "levels", entry)
-    if not isinstance(levels, (list, tuple)) or not levels:
-        return None
-    try:
-        return [[[int(h) for h in group] for group in level] for level in levels]
-    except TypeError:
-        return None
-
-
-def group_trees(source, n_layer: int) -> list[GroupTree | None] | None:
-    """Per layer, the policy's hierarchy (or None for a layer without one); None if the policy has no groups at all.
-
-    ``source`` is a policy object or its ``state_dict`` (for example a checkpoint's ``aah_policy``).
-    """
-    if source is None:
-        return None
-    hierarchies = _get(source, "hierarchies")
-    if hierarchies is None:
-        partitions = _get(source, "partitions")
-        hierarchies = None if partitions is None else [None if p is None else [p] for p in partitions]
-    if not isinstance(hierarchies, (list, tuple)) or len(hierarchies) != n_layer:
-        return None
-    windows = _get(source, "group_windows")
-    if not isinstance(windows, (list, tuple)) or len(windows) != n_layer:
-        windows = [None] * n_layer
-    trees = []
-    for entry, wins in zip(hierarchies, windows):
-        levels = None if entry is None else _levels(entry)
-        if levels is None:
-            trees.append(None)
-            continue
-        ok = isinstance(wins, (list, tuple)) and [len(w) for w in wins] == [len(lv) for lv in levels]
-        trees.append(GroupTree(levels, [[int(w) for w in lv] for lv in wins] if ok else None))
-    return trees if any(t is not None for t in trees) else None
-
-
-def decision_step(source) -> int | None:
-    """The policy's ``last_step`` (None before the first decision or when it has none)."""
-    step = _get(source, "last_step") if source is not None else None
-    return None if step is None or int(step) < 0 else int(step)
-
-
 def group_stats(trees: Sequence[GroupTree | None]) -> tuple[list[int], list[list[int]]]:
     """Levels used per layer, and groups per level per layer (layers without a hierarchy: 0 levels, no counts)."""
     levels = [0 if t is None else t.levels_used for t in trees]

@@ -1,4 +1,4 @@
-"""Diagnostics of a window table (AAH_METHOD.md section 3). Pure tensor math, no host syncs.
+"""Diagnostics of a window table (definitions: docs/method.md). Pure tensor math, no host syncs.
 
 * ACR (the paper's definition, kept exactly): mean over (layer, head) of ``min(W, T) / T``.
 * causal coverage: allowed causal pairs / all causal pairs, ``pairs(W, T) = W(W+1)/2 + (T-W)W`` for ``W <= T``

@@ -1,9 +1,6 @@
-"""Window policies: who writes the window table, and when.
+"""The simple window policies: full, fixed, static and random (the contract: ``policy_base.py``).
 
-A policy is one class registered in ``POLICIES``. The LightningModule asks it for the initial table and, before
-every training step, whether the table changes (``on_train_step`` returns a new ``[n_layer, n_head]`` table or None).
-Decisions must be identical on every rank: the policies here depend only on their settings, the step and their own
-seeded generator, whose state is checkpointed through ``state_dict``.
+They depend only on their settings, the step and their own seeded generator, whose state is checkpointed.
 """
 
 from __future__ import annotations
@@ -12,58 +9,66 @@ import torch
 from torch import Tensor
 
 from aah_lightning.aah.config import AAHConfig
+from aah_lightning.aah.policy_base import WindowPolicy, register
+from aah_lightning.errors import ConfigError, require
 
 
-class WindowPolicy:
-    name = "base"
-
-    def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
-        self.cfg = cfg
-        self.n_layer, self.n_head, self.seq_len = n_layer, n_head, seq_len
-        self.candidates = cfg.resolved_candidates(seq_len)
-
-    def initial_table(self) -> Tensor:
-        return torch.full((self.n_layer, self.n_head), self.seq_len, dtype=torch.int32)
-
-    def on_train_step(self, step: int, model, batch) -> Tensor | None:
-        """Called before training step ``step`` (0-based optimizer steps). Return a new table to apply, or None."""
-        return None
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
+@register("full")
 class FullPolicy(WindowPolicy):
     """Every head sees the whole causal context (the baseline)."""
 
-    name = "full"
 
-
+@register("fixed")
 class FixedPolicy(WindowPolicy):
     """Every head of every layer uses ``window``."""
 
-    name = "fixed"
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        require(
+            isinstance(cfg.window, int) and 0 < cfg.window <= seq_len,
+            "model.aah.window",
+            cfg.window,
+            f"an integer in [1, seq_len={seq_len}] (the fixed policy's window)",
+        )
 
     def initial_table(self) -> Tensor:
         return torch.full((self.n_layer, self.n_head), self.cfg.window, dtype=torch.int32)
 
 
+@register("static")
 class StaticPolicy(WindowPolicy):
     """An explicit table from the config."""
 
-    name = "static"
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        table = cfg.table
+        shape_ok = (
+            isinstance(table, list)
+            and len(table) == n_layer
+            and all(isinstance(row, list) and len(row) == n_head for row in table)
+        )
+        if not shape_ok:
+            got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
+            raise ConfigError(
+                f"model.aah.table has row lengths {got}: the static policy needs n_layer={n_layer} rows of "
+                f"n_head={n_head} windows each"
+            )
+        for row in table:
+            for w in row:
+                require(
+                    isinstance(w, int) and 0 < w <= seq_len,
+                    "model.aah.table",
+                    w,
+                    f"every window an integer in [1, seq_len={seq_len}]",
+                )
 
     def initial_table(self) -> Tensor:
         return torch.tensor(self.cfg.table, dtype=torch.int32)
 
 
+@register("random")
 class RandomPolicy(WindowPolicy):
     """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``."""
-
-    name = "random"
 
     def __init__(self, cfg, n_layer, n_head, seq_len):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -88,20 +93,3 @@ class RandomPolicy(WindowPolicy):
     def load_state_dict(self, state: dict) -> None:
         if "generator" in state:
             self.generator.set_state(state["generator"])
-
-
-POLICIES: dict[str, type[WindowPolicy]] = {p.name: p for p in (FullPolicy, FixedPolicy, StaticPolicy, RandomPolicy)}
-
-
-def make_policy(cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int) -> WindowPolicy:
-    cfg.validate(seq_len, n_layer, n_head)
-    return POLICIES[cfg.policy](cfg, n_layer, n_head, seq_len)
-
-# The AAH controller lives in its own package (aah/controller/); it subclasses WindowPolicy, so it registers last.
-from aah_lightning.aah.controller.adaptive import AdaptivePolicy  # noqa: E402
-
-POLICIES[AdaptivePolicy.name] = AdaptivePolicy
-
-# Shuffle-post-select wraps the controller, so it comes after it; the module registers itself in POLICIES (a plain
-# import, so that importing aah.shuffle first works too).
-import aah_lightning.aah.shuffle  # noqa: E402,F401

@@ -22,15 +22,18 @@ from torch import Tensor
 
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.controller.adaptive import AdaptivePolicy
-from aah_lightning.aah.policies import POLICIES, WindowPolicy
+from aah_lightning.aah.policy_base import PolicyReport, WindowPolicy, register
 
 SEED_OFFSET = 3
 
 
+@register("shuffle")
 class ShufflePolicy(WindowPolicy):
     """The adaptive controller's choice, with windows permuted among the heads of each layer."""
 
-    name = "shuffle"
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        AdaptivePolicy.validate(cfg, seq_len, n_layer, n_head)  # the wrapped controller's settings
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -59,23 +62,13 @@ class ShufflePolicy(WindowPolicy):
         self.shuffles += 1
         return None if previous is not None and torch.equal(previous, self.table) else self.table.clone()
 
-    # -- what diagnostics read: the controller's groups and their chosen windows (heads then show the shuffle) --
-    @property
-    def hierarchies(self):
-        return self.inner.hierarchies
+    def report(self) -> PolicyReport:
+        """The controller's groups and their chosen windows (the heads' windows then show the shuffle)."""
+        return self.inner.report()
 
-    @property
-    def group_windows(self):
-        return self.inner.group_windows
-
-    @property
-    def last_step(self):
-        return self.inner.last_step
-
-    @property
-    def chosen_table(self) -> Tensor | None:
-        """The controller's own (unpermuted) table of the last decision."""
-        return self.inner.table
+    @classmethod
+    def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
+        return AdaptivePolicy.report_from_state(state.get("inner") or {}, candidates)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -94,5 +87,3 @@ class ShufflePolicy(WindowPolicy):
         self.table = None if state["table"] is None else state["table"].to(torch.int32).clone()
         self.shuffles = int(state["shuffles"])
 
-
-POLICIES[ShufflePolicy.name] = ShufflePolicy

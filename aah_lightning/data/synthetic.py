@@ -41,10 +41,3 @@ def synthetic_documents(
             doc[t] = doc[t - distance]
         docs.append(doc)
     return docs
-
-
-def markov_entropy(vocab: int = 64, successors: int = 3, seed: int = 0) -> float:
-    """Mean next-token entropy (nats) of the Markov part under its stationary-ish uniform start."""
-    probs = markov_chain(vocab, successors, np.random.default_rng(seed))
-    p = np.where(probs > 0, probs, 1.0)
-    return float(-(probs * np.log(p)).sum(1).mean())

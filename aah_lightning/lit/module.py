@@ -15,7 +15,8 @@ from torchmetrics import MeanMetric
 
 from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policies import make_policy
+from aah_lightning.aah.policy_base import make_policy
+from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.model.config import GPTConfig
@@ -92,28 +93,11 @@ class AAHModule(L.LightningModule):
             aah = AAHConfig(**aah)
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
-        # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters(
-            dict(
-                n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=vocab_size,
-                mlp_ratio=mlp_ratio, bias=bias, rope_base=rope_base, backend=backend, block_size=block_size,
-                document_mask=document_mask, compile_blocks=compile_blocks,
-                activation_checkpointing=activation_checkpointing, aah=asdict(aah), optim=asdict(optim),
-            )
-        )
-        self.gpt_config = GPTConfig(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_embd=n_embd,
-            mlp_ratio=mlp_ratio,
-            bias=bias,
-            rope_base=rope_base,
-            backend=backend,
-            block_size=block_size,
-            document_mask=document_mask,
-        )
+        # The arguments as flat hyperparameters (the model.* keys), the settings dataclasses as plain dicts: checkpoints
+        # load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["aah", "optim"])
+        self.hparams.update(aah=asdict(aah), optim=asdict(optim))
+        self.gpt_config = GPTConfig.from_settings(self.hparams)
         optim.validate()
         self.aah_config, self.optim_config = aah, optim
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
@@ -138,9 +122,9 @@ class AAHModule(L.LightningModule):
         return self.model(tokens, doc_ids)
 
     def _loss(self, batch) -> torch.Tensor:
-        tokens, docs = batch["tokens"], batch["doc_ids"]
-        logits = self.model(tokens[:, :-1], docs[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        inputs, targets, docs = split_batch(batch)
+        logits = self.model(inputs, docs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.

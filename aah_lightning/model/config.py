@@ -1,6 +1,9 @@
 """Shape and execution settings of the GPT."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.model.attention import backend_names
@@ -38,6 +41,11 @@ class GPTConfig:
             )
         require(self.backend in backend_names(), "model.backend", self.backend, f"one of {', '.join(backend_names())}")
         require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "a positive number")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping) -> "GPTConfig":
+        """The GPT's settings among ``settings`` (e.g. the LightningModule's flat ``model.*`` hyperparameters)."""
+        return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
 
     @property
     def head_dim(self) -> int:

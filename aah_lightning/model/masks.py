@@ -68,7 +68,7 @@ def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128) 
 
     Both orientations come from the closed-form tile classes: kv tiles per q tile (forward) and q tiles per kv tile
     (the transpose, used by the backward). ``BlockMask.from_kv_blocks`` would derive the latter with a vmapped
-    scatter that costs ~10x more than everything else here.
+    scatter that costs far more than everything else here (docs/benchmarks.md).
     """
     partial, full = (t.unsqueeze(0) for t in window_tiles(windows_row, seq_len, block_size))
     kv_num, kv_idx = _ordered(partial)
@@ -97,7 +97,7 @@ def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 
     """BlockMask for one layer when document ids (per batch) join the mask: built from the mask_mod itself."""
     global _compiled_create_block_mask
     build = create_block_mask
-    if doc_ids.is_cuda:  # compiled build avoids the dense [B, H, T, T] intermediate; not worth 10 s on CPU
+    if doc_ids.is_cuda:  # compiled build avoids the dense [B, H, T, T] intermediate; not worth a compile on CPU
         if _compiled_create_block_mask is None:
             _compiled_create_block_mask = torch.compile(create_block_mask)
         build = _compiled_create_block_mask

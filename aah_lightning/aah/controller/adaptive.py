@@ -1,19 +1,16 @@
-"""The ``adaptive`` window policy: the AAH controller (AAH_METHOD.md section 4, docs/controller.md).
+"""The ``adaptive`` window policy: the AAH controller (docs/method.md, docs/controller.md).
 
 At a control step (never between them): probe a few sequences of the current batch, compute per-head features,
 average them over ranks, smooth them (EMA), and then, per layer and on CPU: standardise, group the heads, build the
 hierarchy, allocate one window per group top-down and write the heads' windows into a new table. Every rank runs the
 same deterministic code on the same averaged features, so every rank ends the step with the identical table.
 
-Read by callbacks after a decision (all plain Python / CPU tensors, rank-identical):
+State after a decision (all plain Python / CPU tensors, rank-identical; diagnostics read it through ``report()``):
     ``last_step``            step of the last decision (None before the first);
     ``hierarchies[l]``       ``Hierarchy`` of layer l (``levels[level][group]`` = head indices);
     ``group_windows[l]``     ``[level][group]`` window chosen for each group of layer l;
-    ``levels_used()``        hierarchy levels built per layer;
-    ``group_counts()``       groups per level per layer;
     ``last_coverage``        ``[L, H]`` share of each head's full-causal mass inside its new window on the last probe
-                             (the attention-mass coverage, AMC), or None;
-    ``describe()``           the hierarchy as text.
+                             (the attention-mass coverage, AMC), or None.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from torch import Tensor
 
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.controller import features as feats
-from aah_lightning.aah.controller.allocators import LayerInputs, make_allocator, window_costs
+from aah_lightning.aah.controller.allocators import LayerInputs, window_costs
 from aah_lightning.aah.controller.grouping import (
     Partition,
     cluster_heads,
@@ -32,16 +29,17 @@ from aah_lightning.aah.controller.grouping import (
     random_partition,
     singletons,
 )
-from aah_lightning.aah.controller.hierarchy import Hierarchy, build_hierarchy
-from aah_lightning.aah.policies import WindowPolicy
+from aah_lightning.aah.controller.hierarchy import GroupTree, Hierarchy, build_hierarchy
+from aah_lightning.aah.controller.registry import make_allocator
+from aah_lightning.aah.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.aah.probe import run_probe
+from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import ConfigError
 
 
+@register("adaptive")
 class AdaptivePolicy(WindowPolicy):
     """Windows chosen from head statistics through a hierarchy of head groups (settings: ``ControllerConfig``)."""
-
-    name = "adaptive"
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -66,6 +64,10 @@ class AdaptivePolicy(WindowPolicy):
         self.decisions = 0
         self.last_coverage: Tensor | None = None
 
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        cfg.controller.validate(cfg.resolved_candidates(seq_len), seq_len, n_head)
+
     # -- schedule ----------------------------------------------------------------------------------------------------
     def is_control_step(self, step: int) -> bool:
         c = self.ctl
@@ -76,8 +78,7 @@ class AdaptivePolicy(WindowPolicy):
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
             return None
-        docs = batch.get("doc_ids")
-        tokens, docs = batch["tokens"][:, :-1], None if docs is None else docs[:, :-1]
+        tokens, _, docs = split_batch(batch)
         previous = self.table
         table = self.decide(self.measure(model, tokens, docs), step)
         return None if previous is not None and torch.equal(previous, table) else table
@@ -161,17 +162,18 @@ class AdaptivePolicy(WindowPolicy):
         """Groups per level of each layer at the last decision."""
         return [h.group_counts if h is not None else [] for h in self.hierarchies]
 
-    def describe(self) -> str:
-        """The last decision as text: per layer and level, each group's heads and window."""
-        if self.last_step is None:
-            return "no decision yet (warmup: every head sees the full context)"
-        lines = [f"decision {self.decisions} at step {self.last_step}"]
-        for layer, (h, wins) in enumerate(zip(self.hierarchies, self.group_windows)):
-            lines.append(f"layer {layer}:")
-            for lvl in range(h.levels_used - 1, -1, -1):
-                groups = ", ".join(f"{g}->{w}" for g, w in zip(h.levels[lvl], wins[lvl]))
-                lines.append(f"  level {lvl}: {groups}")
-        return "\n".join(lines)
+    def report(self) -> PolicyReport:
+        return _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
+
+    @classmethod
+    def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
+        hierarchies = state.get("hierarchies")
+        if hierarchies is None and state.get("partitions") is not None:  # level 0 only
+            hierarchies = [None if p is None else [p] for p in state["partitions"]]
+        hierarchies = [None if h is None else Hierarchy.from_state(h) for h in hierarchies or []]
+        windows = state.get("group_windows") or [None] * len(hierarchies)
+        step = state.get("last_step")
+        return _report(candidates, None if step is None or step < 0 else int(step), hierarchies, windows)
 
     # -- state -------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -229,3 +231,12 @@ def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> N
                     f"allocator broke the parent constraint: level {level} group {g} index {chosen[level][g]} > "
                     f"parent index {chosen[level + 1][p]}"
                 )
+
+
+def _report(candidates, last_step, hierarchies, group_windows) -> PolicyReport:
+    """The decision as diagnostics read it; no trees before the first decision."""
+    trees = [
+        None if h is None else GroupTree(h.levels, None if w is None else [list(map(int, lv)) for lv in w])
+        for h, w in zip(hierarchies, group_windows)
+    ]
+    return PolicyReport(list(candidates), last_step, trees if any(t is not None for t in trees) else None)

@@ -2,7 +2,7 @@
 
 An allocator is a callable ``(LayerInputs) -> list[list[int]]``: for every level, the candidate index chosen for
 every group of that level. The policy maps level-0 groups to their heads and checks the parent constraint.
-``ALLOCATORS`` is the registry read by ``model.aah.controller.allocator``.
+``registry.py`` holds ``ALLOCATORS``, the registry read by ``model.aah.controller.allocator``.
 
 * ``reach`` (default): a group's window is the smallest candidate whose share of the group's full-causal attention
   mass reaches ``coverage_target``; with a compute ceiling (``target_acr`` / ``target_causal_coverage``) the windows
@@ -12,15 +12,11 @@ every group of that level. The policy maps level-0 groups to their heads and che
 * ``paper`` (``paper_allocator.py``): the reference's decision procedure, for parity studies: enriched 29-number
   inputs, a 29->16->K scorer and a joint sibling scorer, argmax, top-down. Its networks are seeded random weights
   that are never trained, exactly as in the reference, where they never receive a gradient.
-
-A registry entry is either a plain function (stateless, like ``reach``) or a class with a ``for_policy`` constructor
-and ``state_dict`` / ``load_state_dict`` (its state is checkpointed with the policy); ``make_allocator`` builds either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -135,17 +131,3 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
             for c, idx in zip(kids, picks):
                 chosen[level][c] = idx
     return chosen
-
-
-Allocator = Callable[[LayerInputs], list[list[int]]]
-
-# paper_allocator.py imports this module's names for type hints only, so registering it here is not circular.
-from aah_lightning.aah.controller.paper_allocator import PaperAllocator  # noqa: E402
-
-ALLOCATORS: dict[str, Allocator | type] = {"reach": reach_allocator, "paper": PaperAllocator}
-
-
-def make_allocator(ctl, n_layer: int, candidates: list[int], seed: int) -> Allocator:
-    """The allocator ``ctl.allocator`` names, built for a policy of ``n_layer`` layers (seeded by ``seed``)."""
-    entry = ALLOCATORS[ctl.allocator]
-    return entry.for_policy(ctl, n_layer, candidates, seed) if isinstance(entry, type) else entry

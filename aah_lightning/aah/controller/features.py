@@ -25,7 +25,7 @@ from torch import Tensor
 
 from aah_lightning.aah.probe import ProbeResult
 
-PAPER_NAMES = ("mean_abs_q", "std_q", "mean_abs_k", "std_k", "mean_abs_v", "std_v", "entropy", "out_norm", "rho")
+# The nine paper features, in order: mean_abs_q, std_q, mean_abs_k, std_k, mean_abs_v, std_v, entropy, out_norm, rho.
 
 
 @dataclass(frozen=True)

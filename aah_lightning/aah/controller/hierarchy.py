@@ -46,6 +46,19 @@ class Hierarchy:
         return cls([[list(map(int, g)) for g in level] for level in state])
 
 
+@dataclass
+class GroupTree(Hierarchy):
+    """A layer's hierarchy with the window chosen for each group: ``windows[level][group]`` (or None)."""
+
+    windows: list[list[int]] | None = None
+
+    def group_of(self, head: int, level: int = 0) -> int | None:
+        for g, heads in enumerate(self.levels[level]):
+            if head in heads:
+                return g
+        return None
+
+
 def build_hierarchy(dist: Tensor, level0: Partition, thresholds: list[float]) -> Hierarchy:
     """Stack coarser levels on ``level0`` by cutting the dendrogram at each of ``thresholds`` (ascending)."""
     levels = [level0]

@@ -8,7 +8,7 @@ handed to the optimizer, used under ``no_grad``. The "learned" windows of the pa
 function of the heads' statistics; this allocator exists so that function can be run and compared, not because it
 is a good way to choose windows (``reach`` is the project's default).
 
-Procedure (reference_implementation_analysis.md section 7), per layer, on the layer's hierarchy of head groups:
+Procedure (the authors' code; docs/method.md), per layer, on the layer's hierarchy of head groups:
 
 * Inputs per group at level l of an L-level hierarchy, 29 numbers ("enriched"): the group's 9 ``paper`` features
   X (mean of the heads below it), the level scalar l / max(1, L - 1), the parent difference X - X[parent] (zeros at
@@ -32,16 +32,12 @@ authors' (those depend on the exact RNG draw order of their model), so parity is
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aah_lightning.aah.controller.allocators import LayerInputs
 from aah_lightning.errors import ConfigError
-
-if TYPE_CHECKING:  # allocators.py registers this class; importing it at runtime here would be circular
-    from aah_lightning.aah.controller.allocators import LayerInputs
 
 N_BASE = 9  # the paper feature family (features.FeatureLayout.paper)
 N_INPUT = 3 * N_BASE + 2  # 29: features, level scalar, parent difference, global offset, size fraction

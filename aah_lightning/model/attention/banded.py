@@ -2,8 +2,8 @@
 and inference (``auto`` from T = 256 on).
 
 FlexAttention has no backward on CPU, and SDPA with the dense ``[T, T]`` mask of the mask_mod computes every pair
-(~2.3x a causal call at T=4096). This backend computes only a band around the diagonal, with the fused SDPA kernels
-(flash attention on CPU, with a mask where one is needed) on strided views of q, k, v:
+(docs/benchmarks.md: over twice a causal call at T=4096). This backend computes only a band around the diagonal, with
+the fused SDPA kernels (flash attention on CPU, with a mask where one is needed) on strided views of q, k, v:
 
 Heads of one layer are grouped by their window (clipped to T). A group whose window covers the sequence is one causal
 SDPA call. A group with window ``W < T`` splits its queries into two parts, two SDPA calls:

@@ -1,0 +1,145 @@
+"""The contract of a window policy, and the registry that finds one by name.
+
+A policy is one class, registered with ``@register("name")``; ``model.aah.policy: name`` selects it. The
+LightningModule builds it with ``(cfg, n_layer, n_head, seq_len)``, asks it for the initial ``[n_layer, n_head]``
+table, and before every optimizer step calls ``on_train_step``, which returns a new table or None. Decisions must be
+identical on every rank: a policy may depend on its settings, the step, its own seeded generators and the model (a
+rank-averaged probe), never on rank-local randomness. Everything it needs to continue exactly after a resume goes
+through ``state_dict`` (plain tensors, lists and ints: checkpoints load with ``torch.load(weights_only=True)``).
+
+A policy checks its own settings in the classmethod ``validate`` (one ``ConfigError`` line naming the setting),
+before anything is built, and tells diagnostics what it decided through ``report()`` (a ``PolicyReport``), which
+``report_from_state`` rebuilds from a checkpoint's ``state_dict``.
+
+Built-in policies live in the modules of ``BUILTIN_MODULES``, imported the first time a name is looked up. A policy
+outside this package is one importable module: ``model.aah.policy: my_module:name`` imports ``my_module`` (whose
+``@register("name")`` runs on import) and uses ``name``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+import torch
+from torch import Tensor
+
+from aah_lightning.aah.controller.hierarchy import GroupTree
+from aah_lightning.errors import ConfigError
+
+if TYPE_CHECKING:  # the settings type only: config.py does not import policies, and policies import this module
+    from aah_lightning.aah.config import AAHConfig
+
+BUILTIN_MODULES = (
+    "aah_lightning.aah.policies",  # full, fixed, static, random
+    "aah_lightning.aah.controller.adaptive",  # adaptive: the AAH controller
+    "aah_lightning.aah.shuffle",  # shuffle: the controller's table permuted per layer
+)
+
+POLICIES: dict[str, type["WindowPolicy"]] = {}
+
+P = TypeVar("P", bound=type)
+
+
+@dataclass
+class PolicyReport:
+    """What a policy decided, as diagnostics read it (CPU, plain Python, identical on every rank).
+
+    candidates: the windows the policy chooses from (window fractions are reported for each).
+    last_step: optimizer step of the last decision; None before the first or for a policy that never decides.
+    trees: per layer, the hierarchy of head groups with each group's window (None for a layer without one); None
+        for a policy that does not group heads.
+    """
+
+    candidates: list[int] = field(default_factory=list)
+    last_step: int | None = None
+    trees: list[GroupTree | None] | None = None
+
+
+def register(name: str) -> Callable[[P], P]:
+    """Class decorator: make the policy selectable as ``model.aah.policy: name``."""
+
+    def add(cls: P) -> P:
+        if name in POLICIES and POLICIES[name] is not cls:
+            raise ValueError(f"two window policies are registered as {name!r}: {POLICIES[name]} and {cls}")
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def available_policies() -> dict[str, type["WindowPolicy"]]:
+    """Every registered policy by name (the built-in ones and any imported plugin)."""
+    _load_builtins()
+    return dict(POLICIES)
+
+
+def policy_class(name: str) -> type["WindowPolicy"]:
+    """The class ``model.aah.policy`` names: a registered name, or ``module:name`` of a policy in another module."""
+    if name not in POLICIES:
+        _load_builtins()
+    if name not in POLICIES and isinstance(name, str) and ":" in name:
+        module, _, short = name.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"model.aah.policy={name!r}: cannot import module {module!r} ({e})") from None
+        if short in POLICIES:
+            return POLICIES[short]
+        raise ConfigError(f"model.aah.policy={name!r}: module {module!r} registers no policy named {short!r}")
+    if name not in POLICIES:
+        raise ConfigError(
+            f"model.aah.policy={name!r} is not allowed: one of {', '.join(sorted(POLICIES))} (or module:name of a "
+            f"policy registered in an importable module)"
+        )
+    return POLICIES[name]
+
+
+class WindowPolicy:
+    """Base class: every head sees the whole causal context and nothing ever changes (override what differs)."""
+
+    name = "base"
+
+    def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
+        self.cfg = cfg
+        self.n_layer, self.n_head, self.seq_len = n_layer, n_head, seq_len
+        self.candidates = cfg.resolved_candidates(seq_len)
+
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        """Check this policy's own settings (the shared ones are checked by ``AAHConfig.validate``)."""
+
+    def initial_table(self) -> Tensor:
+        return torch.full((self.n_layer, self.n_head), self.seq_len, dtype=torch.int32)
+
+    def on_train_step(self, step: int, model, batch) -> Tensor | None:
+        """Called before training step ``step`` (0-based optimizer steps). Return a new table to apply, or None."""
+        return None
+
+    def report(self) -> PolicyReport:
+        """What diagnostics show of this policy's decisions."""
+        return PolicyReport(candidates=list(self.candidates))
+
+    @classmethod
+    def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
+        """``report()`` of a policy that saved ``state`` (a checkpoint's ``aah_policy``), without building one."""
+        return PolicyReport(candidates=list(candidates))
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def make_policy(cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int) -> WindowPolicy:
+    """The policy ``cfg.policy`` names, its settings checked first."""
+    cfg.validate(seq_len, n_layer, n_head)
+    return policy_class(cfg.policy)(cfg, n_layer, n_head, seq_len)
