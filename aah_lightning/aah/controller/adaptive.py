@@ -167,10 +167,7 @@ class AdaptivePolicy(WindowPolicy):
 
     @classmethod
     def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
-        hierarchies = state.get("hierarchies")
-        if hierarchies is None and state.get("partitions") is not None:  # level 0 only
-            hierarchies = [None if p is None else [p] for p in state["partitions"]]
-        hierarchies = [None if h is None else Hierarchy.from_state(h) for h in hierarchies or []]
+        hierarchies = [None if h is None else Hierarchy.from_state(h) for h in state.get("hierarchies") or []]
         windows = state.get("group_windows") or [None] * len(hierarchies)
         step = state.get("last_step")
         return _report(candidates, None if step is None or step < 0 else int(step), hierarchies, windows)
