@@ -22,8 +22,9 @@ import socket
 import uuid
 import zipfile
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.cloud_io import _load as fsspec_load
