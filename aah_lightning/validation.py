@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.checkpointing import load_checkpoint_file
@@ -127,21 +128,23 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
 
 
 def check_schedule(trainer) -> None:
-    """An integer val_check_interval must fit in the run: the data module's step-based loader is max_steps long, and
-    Lightning would otherwise stop with a ValueError traceback after loading the data."""
+    """An integer val_check_interval longer than the run would make Lightning stop with a ValueError after loading
+    the data (the data module's step-based loader is max_steps long). A short smoke run of a long config should just
+    run: it validates once, at its end, and says so in one warning."""
     interval, steps = trainer.val_check_interval, trainer.max_steps
+    batches = steps * trainer.accumulate_grad_batches
     if (
         isinstance(interval, int)
         and steps > 0
         and trainer.check_val_every_n_epoch is not None
         and trainer.limit_val_batches
-        and interval > steps * trainer.accumulate_grad_batches
+        and interval > batches
     ):
-        raise ConfigError(
-            f"trainer.val_check_interval={interval} is more than the run's {steps * trainer.accumulate_grad_batches} "
-            f"training batches (trainer.max_steps={steps}): use a smaller interval, or trainer.limit_val_batches=0 to "
-            f"skip validation"
+        rank_zero_warn(
+            f"trainer.val_check_interval={interval} is more than the run's {batches} training batches "
+            f"(trainer.max_steps={steps}): validating once, at the end of the run"
         )
+        trainer.val_check_interval = batches
 
 
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:

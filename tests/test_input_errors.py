@@ -199,11 +199,6 @@ def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
     assert trainer.global_step == 0
 
 
-def test_validation_interval_longer_than_the_run(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--trainer.val_check_interval", "50", "--trainer.max_steps", "20")
-    assert "trainer.val_check_interval=50" in line and "trainer.max_steps=20" in line
-
-
 def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys):
     # jsonargparse wraps it in "Does not validate against any of the Union subtypes ..." with a traceback.
     line = refuse(
