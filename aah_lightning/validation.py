@@ -10,6 +10,7 @@ Trainer directly gets the same errors. Every failure is a ``ConfigError`` naming
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Optional
 
 import torch
@@ -17,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.checkpointing import load_checkpoint_file
+from aah_lightning.lit.checkpointing import LastCheckpoint, load_checkpoint_file
 from aah_lightning.model.backends import BackendUnavailable, resolve_backend
 
 # Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
@@ -147,11 +148,35 @@ def check_schedule(trainer) -> None:
         trainer.val_check_interval = batches
 
 
+def check_checkpoint_folders(trainer) -> None:
+    """Every checkpoint folder can be created and written, so a bad ``checkpoint.dirpath`` is one line now rather
+    than a traceback at the first save. Nothing is created: the nearest folder that exists gets a temporary file."""
+    for cb in trainer.callbacks:
+        folder = getattr(cb, "dirpath", None) if isinstance(cb, ModelCheckpoint) else None
+        if not folder or "://" in str(folder):
+            continue
+        existing = os.path.abspath(folder)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(f"{existing} is a file")
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            setting = "checkpoint.dirpath" if isinstance(cb, LastCheckpoint) else "best_checkpoint.dirpath"
+            raise ConfigError(
+                f"{setting}={str(folder)!r} cannot be created or written ({e.strerror or e}): choose a folder you can "
+                f"write to"
+            ) from e
+
+
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
     """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
     if stage == "fit":
         check_schedule(trainer)
+        check_checkpoint_folders(trainer)
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
         check_checkpoint(path, module, weights_only)

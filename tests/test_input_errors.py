@@ -206,3 +206,15 @@ def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys)
         "--trainer.callbacks.check_every_n_steps", "0",
     )
     assert line == "aah: error: nonfinite_guard.check_every_n_steps=0 is not allowed: a positive integer or null"
+
+
+def test_checkpoint_folder_that_cannot_be_created(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("not a folder")
+    line = refuse(tmp_path, capsys, "--checkpoint.dirpath", str(tmp_path / "a_file" / "ckpts"))
+    assert line.startswith("aah: error: checkpoint.dirpath=") and "a_file" in line and "cannot be created" in line
+
+
+def test_checkpoint_folder_that_cannot_be_written(tmp_path, capsys):
+    # /proc refuses new files even to root, so this holds whoever runs the tests.
+    line = refuse(tmp_path, capsys, "--checkpoint.dirpath", "/proc/aah-ckpts")
+    assert line.startswith("aah: error: checkpoint.dirpath='/proc/aah-ckpts' cannot be created or written"), line
