@@ -12,6 +12,7 @@ import sys
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -95,6 +96,19 @@ class AAHCLI(LightningCLI):
         )
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = path  # 'last' resolved to the file just checked, so Lightning loads that one
+        if subcommand == "fit" and path and "://" not in str(path) and path not in ("best", "hpc", "registry"):
+            self._continue_log_folder(path, cfg.get("weights_only"))
+
+    def _continue_log_folder(self, path: str, weights_only) -> None:
+        """A resumed run logs on in the folder of the run it continues (one TensorBoard version, one config.yaml),
+        unless the config gives the logger a version or points it elsewhere."""
+        logger, spec = self.trainer.logger, self.config[self.subcommand]["trainer"].get("logger")
+        init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
+        if logger is None or len(self.trainer.loggers) != 1 or init_args is None or init_args.get("version") is not None:
+            return
+        saved = validation.saved_log_folder(path, weights_only)
+        if saved and (saved["save_dir"], saved["name"]) == (logger.save_dir, logger.name):
+            self.trainer.logger = type(logger)(**{**init_args.as_dict(), "version": saved["version"]})
 
     def before_fit(self) -> None:
         self._preflight("fit")

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.checkpointing import LastCheckpoint, load_checkpoint_file
+from aah_lightning.lit.checkpointing import LOG_FOLDER_KEY, LastCheckpoint, load_checkpoint_file
 from aah_lightning.model.backends import BackendUnavailable, resolve_backend
 
 # Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
@@ -126,6 +126,16 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
     if not isinstance(checkpoint, dict):
         raise ConfigError(f"ckpt_path={path!r} is not a Lightning checkpoint (it holds a {type(checkpoint).__name__})")
     check_matches(checkpoint, module, path)
+
+
+def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
+    """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
+    if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
+        meta = os.path.join(path, "meta.pt")
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}
+    else:
+        checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    return checkpoint.get(LOG_FOLDER_KEY)
 
 
 def check_schedule(trainer) -> None:
