@@ -124,6 +124,7 @@ class AAHModule(L.LightningModule):
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
+        self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
 
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
@@ -153,9 +154,21 @@ class AAHModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", self._step_loss(loss.detach()), prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])  # a Python float: no sync
         return loss
+
+    def _step_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this optimizer step's micro-batches so far (the logger keeps the value of the step's last
+        one: the step's mean). At logging steps it is also averaged over ranks; other steps do not sync."""
+        if self._step_losses[0] != self.global_step:
+            self._step_losses = (self.global_step, [])
+        self._step_losses[1].append(loss)
+        mean = torch.stack(self._step_losses[1]).mean()
+        every = self.trainer.log_every_n_steps
+        if self.trainer.world_size > 1 and every and (self.global_step + 1) % every == 0:  # the steps Lightning logs
+            mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
+        return mean
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss = self._loss(batch)
