@@ -8,12 +8,14 @@ checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finit
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Optional
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import ActionConfigFile, Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from aah_lightning import validation
@@ -30,7 +32,38 @@ def _vocab_of(datamodule) -> int:
     return datamodule.vocab_size
 
 
+_LITERAL_ERROR = re.compile(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (.*)")
+
+
+def choice_error(message: str) -> Optional[str]:
+    """jsonargparse's report of a value outside a ``Literal`` setting (nested keys, union subtypes, several lines) as
+    one line naming the setting and its choices; None for any other parse error."""
+    found = _LITERAL_ERROR.search(message)
+    if found is None:
+        return None
+    setting = ".".join(re.findall(r'Parser key "([^"]+)"', message[: found.start()]))
+    choices = [c.strip().strip("'\"") for c in found.group(1).split(",")]
+    allowed = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+    return f"{setting}={found.group(2).strip()!r} is not allowed: one of {allowed}"
+
+
+class _ArgumentParser(LightningArgumentParser):
+    """Lightning's parser; a value outside a setting's choices is one error line, like every other bad setting."""
+
+    def error(self, message: str, ex: Optional[Exception] = None):
+        line = choice_error(message)
+        if line is None or not self.exit_on_error:
+            return super().error(message, ex)
+        print(f"aah: error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
 class AAHCLI(LightningCLI):
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        parser = _ArgumentParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file (yaml).")
+        return parser
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data", "model.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")

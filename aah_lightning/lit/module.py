@@ -18,13 +18,22 @@ from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.policies import make_policy
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
-from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.gpt import GPT
 
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio`` at the last step.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay of the linear layers' matrices (not norms, biases or embeddings).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup from lr / (warmup_steps + 1) to lr over this many steps.
+        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio at the last step.
+    """
 
     lr: float = 1e-3
     weight_decay: float = 0.1
@@ -59,7 +68,7 @@ class AAHModule(L.LightningModule):
         mlp_ratio: float = 4.0,
         bias: bool = False,
         rope_base: float = 10000.0,
-        backend: str = "auto",
+        backend: Backend = "auto",
         block_size: int = 128,
         document_mask: bool = False,
         compile_blocks: bool = False,
@@ -77,7 +86,7 @@ class AAHModule(L.LightningModule):
             mlp_ratio: MLP hidden width / n_embd.
             bias: biases in linear layers and norms.
             rope_base: RoPE frequency base.
-            backend: attention backend: auto, flex, banded, sdpa.
+            backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU), flex, sdpa or banded.
             block_size: FlexAttention BlockMask tile size.
             document_mask: queries attend only within their own document.
             compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.
