@@ -13,8 +13,8 @@ import sys
 from typing import Optional
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from jsonargparse import ActionConfigFile, Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -115,7 +115,8 @@ class AAHCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # Crash-safe checkpoint files for every run, unless the config brings its own CheckpointIO plugin.
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = config["trainer"].get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())

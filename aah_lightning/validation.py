@@ -58,7 +58,7 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
     candidates, folders = set(), []
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
-            candidates |= cb._find_last_checkpoints(trainer)  # Lightning's own search for last*.ckpt
+            candidates |= _last_checkpoints(cb)
             folders.append(cb.dirpath or "the logger's new version folder (checkpoint.dirpath is not set)")
         elif isinstance(cb, OnExceptionCheckpoint):
             candidates.add(cb.ckpt_path)
@@ -71,6 +71,15 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
             f"pass a checkpoint file"
         )
     return max(found, key=written.get)
+
+
+def _last_checkpoints(cb: ModelCheckpoint) -> set[str]:
+    """The last*.ckpt files (or FSDP2 folders) in a ModelCheckpoint's folder: the ones Lightning's 'last' picks from."""
+    folder = cb.dirpath
+    if not folder or "://" in str(folder) or not os.path.isdir(folder):
+        return set()
+    last, ext = cb.CHECKPOINT_NAME_LAST, cb.FILE_EXTENSION
+    return {os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(last) and n.endswith(ext)}
 
 
 def _written(path: str) -> Optional[float]:

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.cloud_io import _load as fsspec_load
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -164,8 +164,9 @@ def load_checkpoint_file(
 ) -> dict:
     """Load a checkpoint safely. ``weights_only=None`` means True; only an explicit False allows arbitrary pickles."""
     safe = weights_only is not False
-    if _is_remote(path):  # object stores and URLs: Lightning's fsspec loader, still weights-only by default
-        return fsspec_load(path, map_location=map_location, weights_only=safe)
+    if _is_remote(path):  # object stores and URLs, through fsspec; still weights-only by default
+        with get_filesystem(path).open(path, "rb") as f:
+            return torch.load(f, map_location=map_location, weights_only=safe)
     verify_checkpoint_file(path, setting)
     try:
         return torch.load(os.fspath(path), map_location=map_location, weights_only=safe, mmap=mmap)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from aah_lightning import validation
@@ -228,8 +229,8 @@ class AAHModule(L.LightningModule):
         validation.check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
 
     def on_fit_start(self) -> None:
-        ddp_kwargs = getattr(self.trainer.strategy, "_ddp_kwargs", None)
-        if ddp_kwargs is not None and ddp_kwargs.get("broadcast_buffers", True) and self.trainer.world_size > 1:
+        ddp = self.trainer.strategy.model  # the DistributedDataParallel wrapper under DDP
+        if isinstance(ddp, DistributedDataParallel) and ddp.broadcast_buffers and self.trainer.world_size > 1:
             rank_zero_warn(
                 "DDP broadcasts buffers before every forward, which rewrites the window table each step and makes the "
                 "attention planner read it back to the host every step. Use DDPStrategy(broadcast_buffers=False) "
