@@ -8,11 +8,14 @@ checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finit
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Optional
 
 import torch
+from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from aah_lightning import validation
@@ -30,7 +33,38 @@ def _vocab_of(datamodule) -> int:
     return datamodule.vocab_size
 
 
+_LITERAL_ERROR = re.compile(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (.*)")
+
+
+def choice_error(message: str) -> Optional[str]:
+    """jsonargparse's report of a value outside a ``Literal`` setting (nested keys, union subtypes, several lines) as
+    one line naming the setting and its choices; None for any other parse error."""
+    found = _LITERAL_ERROR.search(message)
+    if found is None:
+        return None
+    setting = ".".join(re.findall(r'Parser key "([^"]+)"', message[: found.start()]))
+    choices = [c.strip().strip("'\"") for c in found.group(1).split(",")]
+    allowed = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+    return f"{setting}={found.group(2).strip()!r} is not allowed: one of {allowed}"
+
+
+class _ArgumentParser(LightningArgumentParser):
+    """Lightning's parser; a value outside a setting's choices is one error line, like every other bad setting."""
+
+    def error(self, message: str, ex: Optional[Exception] = None):
+        line = choice_error(message)
+        if line is None or not self.exit_on_error:
+            return super().error(message, ex)
+        print(f"aah: error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
 class AAHCLI(LightningCLI):
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        parser = _ArgumentParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file (yaml).")
+        return parser
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data", "model.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
@@ -82,7 +116,8 @@ class AAHCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # Crash-safe checkpoint files for every run, unless the config brings its own CheckpointIO plugin.
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = config["trainer"].get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
@@ -96,6 +131,19 @@ class AAHCLI(LightningCLI):
         )
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = path  # 'last' resolved to the file just checked, so Lightning loads that one
+        if subcommand == "fit" and path and "://" not in str(path) and path not in ("best", "hpc", "registry"):
+            self._continue_log_folder(path, cfg.get("weights_only"))
+
+    def _continue_log_folder(self, path: str, weights_only) -> None:
+        """A resumed run logs on in the folder of the run it continues (one TensorBoard version, one config.yaml),
+        unless the config gives the logger a version or points it elsewhere."""
+        logger, spec = self.trainer.logger, self.config[self.subcommand]["trainer"].get("logger")
+        init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
+        if logger is None or len(self.trainer.loggers) != 1 or init_args is None or init_args.get("version") is not None:
+            return
+        saved = validation.saved_log_folder(path, weights_only)
+        if saved and (saved["save_dir"], saved["name"]) == (logger.save_dir, logger.name):
+            self.trainer.logger = type(logger)(**{**init_args.as_dict(), "version": saved["version"]})
 
     def before_fit(self) -> None:
         self._preflight("fit")

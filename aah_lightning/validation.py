@@ -10,13 +10,15 @@ Trainer directly gets the same errors. Every failure is a ``ConfigError`` naming
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Optional
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.checkpointing import load_checkpoint_file
+from aah_lightning.lit.checkpointing import LOG_FOLDER_KEY, LastCheckpoint, load_checkpoint_file
 from aah_lightning.model.attention import BackendUnavailable, resolve_backend
 
 # Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
@@ -54,7 +56,7 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
     candidates, folders = set(), []
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
-            candidates |= cb._find_last_checkpoints(trainer)  # Lightning's own search for last*.ckpt
+            candidates |= _last_checkpoints(cb)
             folders.append(cb.dirpath or "the logger's new version folder (checkpoint.dirpath is not set)")
         elif isinstance(cb, OnExceptionCheckpoint):
             candidates.add(cb.ckpt_path)
@@ -67,6 +69,15 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
             f"pass a checkpoint file"
         )
     return max(found, key=written.get)
+
+
+def _last_checkpoints(cb: ModelCheckpoint) -> set[str]:
+    """The last*.ckpt files (or FSDP2 folders) in a ModelCheckpoint's folder: the ones Lightning's 'last' picks from."""
+    folder = cb.dirpath
+    if not folder or "://" in str(folder) or not os.path.isdir(folder):
+        return set()
+    last, ext = cb.CHECKPOINT_NAME_LAST, cb.FILE_EXTENSION
+    return {os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(last) and n.endswith(ext)}
 
 
 def _written(path: str) -> Optional[float]:
@@ -124,22 +135,57 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
     check_matches(checkpoint, module, path)
 
 
+def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
+    """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
+    if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
+        meta = os.path.join(path, "meta.pt")
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}
+    else:
+        checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    return checkpoint.get(LOG_FOLDER_KEY)
+
+
 def check_schedule(trainer) -> None:
-    """An integer val_check_interval must fit in the run: the data module's step-based loader is max_steps long, and
-    Lightning would otherwise stop with a ValueError traceback after loading the data."""
+    """An integer val_check_interval longer than the run would make Lightning stop with a ValueError after loading
+    the data (the data module's step-based loader is max_steps long). A short smoke run of a long config should just
+    run: it validates once, at its end, and says so in one warning."""
     interval, steps = trainer.val_check_interval, trainer.max_steps
+    batches = steps * trainer.accumulate_grad_batches
     if (
         isinstance(interval, int)
         and steps > 0
         and trainer.check_val_every_n_epoch is not None
         and trainer.limit_val_batches
-        and interval > steps * trainer.accumulate_grad_batches
+        and interval > batches
     ):
-        raise ConfigError(
-            f"trainer.val_check_interval={interval} is more than the run's {steps * trainer.accumulate_grad_batches} "
-            f"training batches (trainer.max_steps={steps}): use a smaller interval, or trainer.limit_val_batches=0 to "
-            f"skip validation"
+        rank_zero_warn(
+            f"trainer.val_check_interval={interval} is more than the run's {batches} training batches "
+            f"(trainer.max_steps={steps}): validating once, at the end of the run"
         )
+        trainer.val_check_interval = batches
+
+
+def check_checkpoint_folders(trainer) -> None:
+    """Every checkpoint folder can be created and written, so a bad ``checkpoint.dirpath`` is one line now rather
+    than a traceback at the first save. Nothing is created: the nearest folder that exists gets a temporary file."""
+    for cb in trainer.callbacks:
+        folder = getattr(cb, "dirpath", None) if isinstance(cb, ModelCheckpoint) else None
+        if not folder or "://" in str(folder):
+            continue
+        existing = os.path.abspath(folder)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(f"{existing} is a file")
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            setting = "checkpoint.dirpath" if isinstance(cb, LastCheckpoint) else "best_checkpoint.dirpath"
+            raise ConfigError(
+                f"{setting}={str(folder)!r} cannot be created or written ({e.strerror or e}): choose a folder you can "
+                f"write to"
+            ) from e
 
 
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
@@ -147,6 +193,7 @@ def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_o
     check_run(module, datamodule, trainer.strategy.root_device, stage)
     if stage == "fit":
         check_schedule(trainer)
+        check_checkpoint_folders(trainer)
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
         check_checkpoint(path, module, weights_only)

@@ -1,4 +1,7 @@
-"""The window-aware FLOP count behind perf/mfu."""
+"""The window-aware FLOP count behind perf/mfu, and the peak it is divided by."""
+
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,3 +61,35 @@ def test_peak_flops_default_and_validation():
     assert compute_dtype("32-true") is torch.float32
     with pytest.raises(ValueError, match="throughput.peak_flops"):
         Throughput(peak_flops=0)
+
+
+@pytest.mark.parametrize(
+    "name, precision, matmul, peak",
+    [
+        ("NVIDIA H200", "bf16-mixed", "highest", 989e12),  # Lightning's own table does not know this name
+        ("NVIDIA H200 NVL", "bf16-mixed", "highest", 835e12),
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", "highest", 989e12),
+        ("NVIDIA H100 PCIe", "16-mixed", "highest", 756e12),
+        ("NVIDIA H100 NVL", "bf16-true", "highest", 835e12),
+        ("NVIDIA B200", "bf16-mixed", "highest", 2250e12),
+        ("NVIDIA H200", "32-true", "high", 495e12),  # float32 matmuls on TF32 tensor cores
+        ("NVIDIA H200", "32-true", "highest", 67e12),  # plain FP32
+    ],
+)
+def test_peak_flops_of_current_gpus(monkeypatch, name, precision, matmul, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: matmul)
+    assert default_peak_flops(torch.device("cuda", 0), precision) == peak
+
+
+def test_mfu_that_cannot_be_logged_is_said_in_one_warning():
+    cb = Throughput()
+    trainer, module = SimpleNamespace(precision="32-true"), SimpleNamespace(device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        cb.on_train_start(trainer, module)
+        cb.on_train_start(trainer, module)  # a second fit in the same process (e.g. a resume)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and messages[0].startswith("perf/mfu is not logged: no peak FLOP/s is known for cpu")
+    assert "throughput.peak_flops" in messages[0] and "\n" not in messages[0]
+    assert cb.peak is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from aah_lightning.aah.controller.allocators import window_costs
 from aah_lightning.aah.controller.registry import ALLOCATORS
@@ -15,7 +15,7 @@ from aah_lightning.errors import ConfigError, require
 class ControllerConfig:
     """Settings of the ``adaptive`` policy: the AAH controller (``model.aah.controller``; docs/controller.md).
 
-    Probe and features:
+    Attributes:
         probe_sequences: sequences of the current batch the probe runs (cost does not grow with the batch size).
         probe_queries: query positions sampled per sequence (stratified over the sequence).
         feature_set: what the heads are grouped by: ``paper`` (nine q/k/v/attention statistics), ``reach``
@@ -23,7 +23,6 @@ class ControllerConfig:
         ema_alpha: feature smoothing across control steps, ``m <- a*m + (1-a)*x``; 0 disables it.
         feature_floor: a feature's spread across a layer's heads counts as noise below this fraction of its mean
             magnitude (standardisation divides by at least that, instead of blowing noise up to unit variance).
-    Grouping and hierarchy (per layer):
         grouping: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group) or
             ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer).
         metric: ``euclidean`` (RMS distance of standardised features) or ``cosine``.
@@ -34,16 +33,15 @@ class ControllerConfig:
         hysteresis: keep the previous level-0 partition unless the new one scores better by this margin.
         random_groups: number of groups of ``fixed_random``.
         depth: at most this many hierarchy levels (1 = flat groups).
-    Allocation:
         allocator: how groups get windows: ``reach`` (smallest candidate whose mass share reaches coverage_target)
             or ``paper`` (the authors' scorer networks, for parity studies: seeded random weights that are never
             trained, exactly as in the authors' code, where they never receive a gradient).
         paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
             paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
         coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
-        target_acr / target_causal_coverage: optional compute ceiling per layer (at most one of them).
+        target_acr: optional compute ceiling per layer as a mean window / T (ACR; at most one ceiling).
+        target_causal_coverage: optional compute ceiling per layer as causal coverage (at most one ceiling).
         parent_constraint: a child group's window never exceeds its parent's.
-    Schedule:
         warmup_steps: every head sees the full context until this step; the first decision is made here.
         control_interval: decide every this many steps after warmup.
         freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
@@ -52,11 +50,11 @@ class ControllerConfig:
 
     probe_sequences: int = 2
     probe_queries: int = 64
-    feature_set: str = "all"
+    feature_set: Literal["paper", "reach", "all"] = "all"
     ema_alpha: float = 0.5
     feature_floor: float = 0.05
-    grouping: str = "cluster"
-    metric: str = "euclidean"
+    grouping: Literal["cluster", "none", "fixed_random"] = "cluster"
+    metric: Literal["euclidean", "cosine"] = "euclidean"
     threshold: float = 1.0
     threshold_growth: float = 1.5
     min_group_size: int = 1
@@ -64,7 +62,7 @@ class ControllerConfig:
     hysteresis: float = 0.05
     random_groups: int = 2
     depth: int = 2
-    allocator: str = "reach"
+    allocator: Literal[tuple(ALLOCATORS)] = "reach"
     paper_joint_scorer: bool = True
     coverage_target: float = 0.9
     target_acr: Optional[float] = None

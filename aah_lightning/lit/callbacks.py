@@ -9,6 +9,7 @@ log steps, diagnostic steps or when the table changes.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Optional
 
 import lightning as L
@@ -49,12 +50,19 @@ def compute_dtype(precision) -> torch.dtype:
 
 
 def default_peak_flops(device: torch.device, precision) -> float | None:
-    """Lightning's table of peak FLOP/s for a CUDA device at the training precision; None elsewhere or if unknown."""
+    """Dense peak FLOP/s of one CUDA device at the training precision: the table of current GPUs in lit/flops.py,
+    then Lightning's table for older ones. None on other devices or a GPU neither knows."""
     if device.type != "cuda":
         return None
+    dtype = compute_dtype(precision)
+    peak = flops.peak_flops(torch.cuda.get_device_name(device), dtype, torch.get_float32_matmul_precision())
+    if peak is not None:
+        return peak
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    peak = get_available_flops(device, compute_dtype(precision))
+    with warnings.catch_warnings():  # Throughput says it once, in its own words
+        warnings.simplefilter("ignore")
+        peak = get_available_flops(device, dtype)
     return None if peak is None else float(peak)
 
 
@@ -71,9 +79,9 @@ class Throughput(L.Callback):
         """
         Args:
             window: batches per measurement.
-            peak_flops: peak FLOP/s of one device, the denominator of perf/mfu. Default: on CUDA, Lightning's table
-                for the GPU at the training precision (lightning.fabric.utilities.throughput.get_available_flops);
-                on CPU, or a GPU not in the table, none is known and perf/mfu is not logged (a warning says so).
+            peak_flops: peak FLOP/s of one device, the denominator of perf/mfu. Default: on CUDA, the dense peak of
+                the GPU at the training precision (lit/flops.py PEAK_FLOPS for H100, H200, B200; Lightning's table
+                for older GPUs); on CPU, or a GPU neither knows, perf/mfu is not logged and one warning says so.
         """
         require(isinstance(window, int) and window >= 1, "throughput.window", window, "a positive number of batches")
         require(peak_flops is None or peak_flops > 0, "throughput.peak_flops", peak_flops, "a positive FLOP/s or null")
@@ -100,9 +108,11 @@ class Throughput(L.Callback):
         else:
             self.peak = default_peak_flops(pl_module.device, trainer.precision)
             if self.peak is None:
+                device = pl_module.device
+                name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
                 rank_zero_warn(
-                    f"perf/mfu is not logged: no peak FLOP/s is known for {pl_module.device.type} at precision "
-                    f"{trainer.precision}. Set throughput.peak_flops (FLOP/s of one device) to log it."
+                    f"perf/mfu is not logged: no peak FLOP/s is known for {name} at precision {trainer.precision}; "
+                    f"set throughput.peak_flops (FLOP/s of one device) to log it"
                 )
 
     def sequence_flops(self, pl_module, seq_len: int) -> int:

@@ -22,11 +22,12 @@ import socket
 import uuid
 import zipfile
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.cloud_io import _load as fsspec_load
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -34,6 +35,8 @@ from aah_lightning.errors import CheckpointWriteError, ConfigError
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
+# The checkpoint entry naming the run's log folder: {"save_dir", "name", "version"} of its logger.
+LOG_FOLDER_KEY = "aah_log_folder"
 
 
 def _is_remote(path) -> bool:
@@ -161,8 +164,9 @@ def load_checkpoint_file(
 ) -> dict:
     """Load a checkpoint safely. ``weights_only=None`` means True; only an explicit False allows arbitrary pickles."""
     safe = weights_only is not False
-    if _is_remote(path):  # object stores and URLs: Lightning's fsspec loader, still weights-only by default
-        return fsspec_load(path, map_location=map_location, weights_only=safe)
+    if _is_remote(path):  # object stores and URLs, through fsspec; still weights-only by default
+        with get_filesystem(path).open(path, "rb") as f:
+            return torch.load(f, map_location=map_location, weights_only=safe)
     verify_checkpoint_file(path, setting)
     try:
         return torch.load(os.fspath(path), map_location=map_location, weights_only=safe, mmap=mmap)
@@ -234,6 +238,21 @@ class LastCheckpoint(ModelCheckpoint):
             verbose=verbose,
         )
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # Where this run logs, so that a resume continues the same log folder (cli.AAHCLI._continue_log_folder).
+        logger = trainer.logger
+        if logger is not None and len(trainer.loggers) == 1:
+            checkpoint[LOG_FOLDER_KEY] = {"save_dir": logger.save_dir, "name": logger.name, "version": logger.version}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The final step is saved here, like every other step, not only in on_train_end: Lightning restores a
+        # checkpoint written after the loop finished as one step and one epoch further on, so a run extended from it
+        # (a larger max_steps) would log every point one step late.
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_end(self, trainer, pl_module) -> None:
+        # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -13,7 +13,7 @@ import math
 import warnings
 import zlib
 from collections import deque
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import lightning as L
 import numpy as np
@@ -32,7 +32,8 @@ from aah_lightning.lit.distributed import gather
 # loaders from the checkpoint itself (``state_dict`` / ``_map_position``), so the warning would be wrong here.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
-SOURCES = ("stdlib", "files", "hub", "synthetic")
+Source = Literal["stdlib", "files", "hub", "synthetic"]
+SOURCES = get_args(Source)
 
 
 def _text_key(text: str) -> bytes:
@@ -103,7 +104,7 @@ class _StreamedBlocks(IterableDataset):
 class TextDataModule(L.LightningDataModule):
     def __init__(
         self,
-        source: str = "stdlib",
+        source: Source = "stdlib",
         seq_len: int = 256,
         batch_size: int = 16,
         tokenizer: str = "byte",
@@ -130,7 +131,9 @@ class TextDataModule(L.LightningDataModule):
             tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder.
             paths: files or glob patterns for source=files (.txt, .jsonl/.json, .parquet).
             text_field: the text column of json/parquet files and hub datasets.
-            hub_name: hub dataset name for source=hub; hub_config / hub_split select it.
+            hub_name: hub dataset name for source=hub.
+            hub_config: the hub dataset's configuration (subset), if it has several.
+            hub_split: the hub dataset's split to read.
             val_fraction: share of the token stream held out for validation (map-style sources).
             val_blocks: number of held-out blocks for source=hub.
             max_documents: use only the first N documents (after the seeded shuffle); None = all.

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.window_math import window_pairs
 
@@ -40,3 +42,32 @@ def forward_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int) -
 def training_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int) -> int:
     """Forward + backward FLOPs of one training sequence (backward = 2 x forward)."""
     return 3 * forward_flops(cfg, rows, seq_len)
+
+
+# Dense peak FLOP/s of one current NVIDIA datacenter GPU, by matmul type. Sources: NVIDIA's product datasheets,
+# "NVIDIA H100 Tensor Core GPU" (SXM, PCIe, NVL), "NVIDIA H200 Tensor Core GPU" (SXM, NVL) and "NVIDIA HGX B200"
+# (per GPU). The datasheets print tensor-core figures with 2:4 structured sparsity; dense training runs at half of
+# them. "tf32" is float32 matmuls on tensor cores (torch's matmul precision "high" or "medium"), float32 the plain
+# FP32 units ("highest"). Keys are fragments of torch.cuda.get_device_name(), lower case; the first one found wins.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "h100 nvl": {"bf16": 835e12, "tf32": 418e12, "fp32": 60e12},
+    "h100 pcie": {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "h100": {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12},  # SXM, named "NVIDIA H100 80GB HBM3"
+    "h200 nvl": {"bf16": 835e12, "tf32": 418e12, "fp32": 60e12},
+    "h200": {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12},  # SXM, named "NVIDIA H200"
+    "b200": {"bf16": 2250e12, "tf32": 1100e12, "fp32": 75e12},
+}
+
+
+def peak_flops(device_name: str, dtype: torch.dtype, float32_matmul_precision: str = "highest") -> float | None:
+    """Dense peak FLOP/s of the GPU named ``device_name`` for matmuls in ``dtype`` (fp16 runs at the bf16 rate);
+    None if the GPU is not in ``PEAK_FLOPS`` or the dtype has no entry (float64)."""
+    name = device_name.lower()
+    row = next((peaks for fragment, peaks in PEAK_FLOPS.items() if fragment in name), None)
+    if row is None:
+        return None
+    if dtype in (torch.bfloat16, torch.float16):
+        return row["bf16"]
+    if dtype is torch.float32:
+        return row["fp32"] if float32_matmul_precision == "highest" else row["tf32"]
+    return None

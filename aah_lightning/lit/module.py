@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from aah_lightning import validation
@@ -19,13 +20,22 @@ from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
-from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.gpt import GPT
 
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio`` at the last step.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay of the linear layers' matrices (not norms, biases or embeddings).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup from lr / (warmup_steps + 1) to lr over this many steps.
+        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio at the last step.
+    """
 
     lr: float = 1e-3
     weight_decay: float = 0.1
@@ -60,7 +70,7 @@ class AAHModule(L.LightningModule):
         mlp_ratio: float = 4.0,
         bias: bool = False,
         rope_base: float = 10000.0,
-        backend: str = "auto",
+        backend: Backend = "auto",
         block_size: int = 128,
         document_mask: bool = False,
         compile_blocks: bool = False,
@@ -78,7 +88,8 @@ class AAHModule(L.LightningModule):
             mlp_ratio: MLP hidden width / n_embd.
             bias: biases in linear layers and norms.
             rope_base: RoPE frequency base.
-            backend: attention backend: auto, flex, banded, sdpa.
+            backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU) or a registered one
+                (flex, flex_tuned, flex_fa4, split, varlen, banded, sdpa; docs/architecture.md).
             block_size: FlexAttention BlockMask tile size.
             document_mask: queries attend only within their own document.
             compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.
@@ -108,6 +119,7 @@ class AAHModule(L.LightningModule):
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
+        self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
 
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
@@ -137,9 +149,21 @@ class AAHModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", self._step_loss(loss.detach()), prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])  # a Python float: no sync
         return loss
+
+    def _step_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this optimizer step's micro-batches so far (the logger keeps the value of the step's last
+        one: the step's mean). At logging steps it is also averaged over ranks; other steps do not sync."""
+        if self._step_losses[0] != self.global_step:
+            self._step_losses = (self.global_step, [])
+        self._step_losses[1].append(loss)
+        mean = torch.stack(self._step_losses[1]).mean()
+        every = self.trainer.log_every_n_steps
+        if self.trainer.world_size > 1 and every and (self.global_step + 1) % every == 0:  # the steps Lightning logs
+            mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
+        return mean
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss = self._loss(batch)
@@ -190,8 +214,8 @@ class AAHModule(L.LightningModule):
         validation.check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
 
     def on_fit_start(self) -> None:
-        ddp_kwargs = getattr(self.trainer.strategy, "_ddp_kwargs", None)
-        if ddp_kwargs is not None and ddp_kwargs.get("broadcast_buffers", True) and self.trainer.world_size > 1:
+        ddp = self.trainer.strategy.model  # the DistributedDataParallel wrapper under DDP
+        if isinstance(ddp, DistributedDataParallel) and ddp.broadcast_buffers and self.trainer.world_size > 1:
             rank_zero_warn(
                 "DDP broadcasts buffers before every forward, which rewrites the window table each step and makes the "
                 "attention planner read it back to the host every step. Use DDPStrategy(broadcast_buffers=False) "

@@ -4,13 +4,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.model.attention import backend_names
 
+# Every registered attention backend, as a type: ``--help`` lists the choices and the parser refuses others.
+Backend = Literal[backend_names()]
+
 
 @dataclass
 class GPTConfig:
+    """The GPT's shape and how its attention runs.
+
+    Attributes:
+        vocab_size: vocabulary size (linked from the data module's tokenizer).
+        seq_len: training sequence length T (linked from data.seq_len).
+        n_layer: transformer blocks.
+        n_head: attention heads per block (each has its own window).
+        n_embd: model width (n_embd / n_head must be even for RoPE).
+        mlp_ratio: MLP hidden width / n_embd.
+        bias: biases in linear layers and norms.
+        rope_base: RoPE frequency base.
+        backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU) or a registered backend.
+        block_size: FlexAttention BlockMask tile size.
+        document_mask: queries attend only within their own document.
+    """
+
     vocab_size: int = 257
     seq_len: int = 256
     n_layer: int = 4
@@ -20,7 +40,7 @@ class GPTConfig:
     bias: bool = False
     rope_base: float = 10000.0
     # Attention execution (same semantics everywhere; see model/attention/).
-    backend: str = "auto"
+    backend: Backend = "auto"
     block_size: int = 128  # BlockMask tile size for flex
     document_mask: bool = False  # queries see only keys of their own document
 

@@ -1,0 +1,52 @@
+"""`aah fit --help` lists the choices of every setting that has a fixed set, and says what every setting means."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from aah_lightning.cli import main
+
+
+def _help(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *args])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def _undocumented(text: str, prefix: str) -> list[str]:
+    """Options under ``prefix`` whose help is only jsonargparse's "(type: ..., default: ...)"."""
+    entries = re.findall(rf"^  (--{re.escape(prefix)}\.\S+)[^\n]*\n((?:^ {{10,}}\S[^\n]*\n)*)", text, re.M)
+    return [name for name, body in entries if " ".join(body.split()).startswith("(type:")]
+
+
+def test_help_lists_the_choices(capsys):
+    text = _help(capsys, "--help")
+    assert "--model.backend {auto,flex,sdpa,banded}" in text
+    assert "--data.source {stdlib,files,hub,synthetic}" in text
+    aah = _help(capsys, "--model.aah.help", "AAHConfig")
+    for option in ("allocator {reach,paper}", "grouping {cluster,none,fixed_random}", "metric {euclidean,cosine}",
+                   "feature_set {paper,reach,all}"):
+        assert f"--model.aah.controller.{option}" in aah
+    # The policy is a registered name (a new policy needs no edit of the config class): its help lists them.
+    policy = aah[aah.index("  --model.aah.policy POLICY"):]
+    assert all(name in policy[:800] for name in ("full", "fixed", "static", "random", "adaptive", "shuffle"))
+
+
+@pytest.mark.parametrize(
+    "args, prefix",
+    [(["--help"], "model"), (["--help"], "data"), (["--model.aah.help", "AAHConfig"], "model.aah"),
+     (["--model.optim.help", "OptimConfig"], "model.optim")],
+)
+def test_every_setting_is_documented(capsys, args, prefix):
+    assert _undocumented(_help(capsys, *args), prefix) == []
+
+
+def test_a_value_outside_the_choices_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--model.aah.controller.metric=manhattan", "--data.source=synthetic"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["aah: error: model.aah.controller.metric='manhattan' is not allowed: one of euclidean or cosine"]

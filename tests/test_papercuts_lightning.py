@@ -1,0 +1,50 @@
+"""The Lightning behaviour aah relies on where Lightning has no public API for it (pyproject pins the tested range),
+and the public replacements of private attributes it used before."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from aah_lightning.cli import main
+from aah_lightning.lit.module import AAHModule
+
+
+def test_a_resume_keeps_the_given_config_not_the_checkpoints(tmp_path, tiny_args):
+    # LightningCLI._parse_ckpt_path is switched off: the checkpoint's hyperparameters never override the config.
+    main(tiny_args("--model.optim.lr=0.002", steps=2))
+    main(tiny_args("--model.optim.lr=0.0005", "--ckpt_path=last", steps=3))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3 and saved["hyper_parameters"]["optim"]["lr"] == 0.0005
+
+
+def test_a_finished_epoch_based_run_saves_its_end_state(tmp_path, tiny_args):
+    # LastCheckpoint saves the end of a run that stops at max_epochs through ModelCheckpoint's own save of "last".
+    main(tiny_args("--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--checkpoint.every_n_train_steps=100",
+                   steps=-1))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3 and saved["epoch"] == 1  # the trainer's epoch after the finished one
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_ddp_that_broadcasts_buffers_is_warned_about(one_process_group, broadcast):
+    module = AAHModule(n_layer=1, n_head=2, n_embd=8, seq_len=16, vocab_size=11)
+    ddp = DistributedDataParallel(module, broadcast_buffers=broadcast)
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp), world_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.on_fit_start()
+    said = [str(w.message) for w in caught if "broadcasts buffers" in str(w.message)]
+    assert len(said) == (1 if broadcast else 0)
