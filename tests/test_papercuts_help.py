@@ -24,7 +24,10 @@ def _undocumented(text: str, prefix: str) -> list[str]:
 
 def test_help_lists_the_choices(capsys):
     text = _help(capsys, "--help")
-    assert "--model.backend {auto,flex,sdpa,banded}" in text
+    from aah_lightning.model.attention import backend_names
+
+    assert "--model.backend {" + ",".join(backend_names()) + "}" in text
+    assert {"auto", "flex", "sdpa", "banded", "split"} <= set(backend_names())
     assert "--data.source {stdlib,files,hub,synthetic}" in text
     aah = _help(capsys, "--model.aah.help", "AAHConfig")
     for option in ("allocator {reach,paper}", "grouping {cluster,none,fixed_random}", "metric {euclidean,cosine}",

@@ -141,19 +141,21 @@ class ControllerConfig:
 class AAHConfig:
     """Which policy writes the window table, and its settings.
 
-    policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static`` (explicit ``table``),
-        ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``),
-        ``shuffle`` (the controller's table with each layer's windows permuted among its heads, re-permuted at
-        every decision and, if ``redraw_interval`` > 0, every that many steps; a control), or ``module:name`` of a
-        policy registered in an importable module (docs/architecture.md, "Adding a window policy").
-    candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
-    window: the window of the ``fixed`` policy.
-    table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
-    seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
-        ``paper`` allocator networks, and of the ``shuffle`` permutations).
-    redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle`` re-permutes
-        every this many steps as well as at each decision (0 = at decisions only).
-    controller: settings of the ``adaptive`` policy (``ControllerConfig``).
+    Attributes:
+        policy: a registered policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static``
+            (explicit ``table``), ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller,
+            settings in ``controller``), ``shuffle`` (the controller's table with each layer's windows permuted among
+            its heads, re-permuted at every decision and, if ``redraw_interval`` > 0, every that many steps; a
+            control), or ``module:name`` of a policy registered in an importable module (docs/architecture.md,
+            "Adding a window policy").
+        candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
+        window: the window of the ``fixed`` policy.
+        table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
+        seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
+            ``paper`` allocator networks, and of the ``shuffle`` permutations).
+        redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle``
+            re-permutes every this many steps as well as at each decision (0 = at decisions only).
+        controller: settings of the ``adaptive`` policy (``ControllerConfig``).
     """
 
     policy: str = "full"
