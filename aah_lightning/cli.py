@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -85,6 +86,10 @@ class AAHCLI(LightningCLI):
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
+        # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch): Lightning's own handler would
+        # requeue it a second time and save a mid-step hpc_ckpt that a restart without --ckpt_path prefers.
+        if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+            plugins.append(SLURMEnvironment(auto_requeue=False))
         return super().instantiate_trainer(plugins=plugins, **kwargs)
 
     def _preflight(self, subcommand: str) -> None:
