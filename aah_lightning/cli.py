@@ -86,8 +86,9 @@ class AAHCLI(LightningCLI):
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
-        # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch): Lightning's own handler would
-        # requeue it a second time and save a mid-step hpc_ckpt that a restart without --ckpt_path prefers.
+        # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch). Lightning's own handler would
+        # requeue it too when USR1 reaches the tasks, after saving a mid-step hpc_ckpt that a restart without
+        # --ckpt_path would resume from.
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
         return super().instantiate_trainer(plugins=plugins, **kwargs)

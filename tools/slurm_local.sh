@@ -92,6 +92,8 @@ JobRequeue=1
 ReturnToService=2
 # Finished jobs stay visible to scontrol for an hour (there is no accounting database for sacct).
 MinJobAge=3600
+# Job ids of two local clusters differ: Lightning derives the ranks' rendezvous port from the job id.
+FirstJobId=$((RANDOM % 9000 + 1000))
 NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
