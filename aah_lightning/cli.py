@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 from jsonargparse import ActionConfigFile, Namespace
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -121,6 +122,11 @@ class AAHCLI(LightningCLI):
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
+        # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch). Lightning's own handler would
+        # requeue it too when USR1 reaches the tasks, after saving a mid-step hpc_ckpt that a restart without
+        # --ckpt_path would resume from.
+        if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+            plugins.append(SLURMEnvironment(auto_requeue=False))
         return super().instantiate_trainer(plugins=plugins, **kwargs)
 
     def _preflight(self, subcommand: str) -> None:
