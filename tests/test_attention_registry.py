@@ -123,3 +123,12 @@ def test_blockmask_tiles_match_the_analytic_count():
     analytic = window_math.tile_counts(row, 1000, 64)
     assert (counted.partial, counted.full, counted.causal) == (analytic.partial, analytic.full, analytic.causal)
     assert counted.source == "blockmask" and 0 < counted.density < 1
+
+
+def test_default_candidates_are_t_over_8_4_2_and_t_like_the_policies_use():
+    from aah_lightning.aah.config import AAHConfig
+
+    assert window_math.default_candidates(4096) == [512, 1024, 2048, 4096]
+    assert window_math.default_candidates(4) == [1, 2, 4]  # no repeats, never 0
+    for T in (1, 4, 100, 4096):
+        assert window_math.default_candidates(T) == AAHConfig().resolved_candidates(T)
