@@ -123,3 +123,35 @@ def test_blockmask_tiles_match_the_analytic_count():
     analytic = window_math.tile_counts(row, 1000, 64)
     assert (counted.partial, counted.full, counted.causal) == (analytic.partial, analytic.full, analytic.causal)
     assert counted.source == "blockmask" and 0 < counted.density < 1
+
+
+def test_default_candidates_are_t_over_8_4_2_and_t_like_the_policies_use():
+    from aah_lightning.aah.config import AAHConfig
+
+    assert window_math.default_candidates(4096) == [512, 1024, 2048, 4096]
+    assert window_math.default_candidates(4) == [1, 2, 4]  # no repeats, never 0
+    for T in (1, 4, 100, 4096):
+        assert window_math.default_candidates(T) == AAHConfig().resolved_candidates(T)
+
+
+def test_fa4_needs_hopper_and_the_package(monkeypatch):
+    """What flex_fa4 says on a CUDA machine (faked: this one has none) without sm90 or without flash_attn.cute."""
+    from aah_lightning.model.attention import flex
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "compute capability >= 9.0, this GPU has 8.0" in flex.fa4_missing(cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def no_package(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(flex.importlib, "import_module", no_package)
+    assert "flash_attn.cute does not import" in flex.fa4_missing(cuda) and ".[fa4]" in flex.fa4_missing(cuda)
+    registry._logged.clear()
+    assert resolve_backend("flex_fa4", cuda, needs_grad=True, seq_len=4096) == "flex_tuned"
+    monkeypatch.setattr(flex.importlib, "import_module", lambda name: None)  # the package imports
+    assert flex.fa4_missing(cuda) is None
+    assert resolve_backend("flex_fa4", cuda, needs_grad=True, seq_len=4096) == "flex_fa4"
+    assert flex.tuned_options((9, 0), 64, torch.bfloat16) == flex.DEFAULT_TUNED_OPTIONS  # nothing pinned yet
+    assert flex.tuned_options(None, 64, torch.float32) == {}  # CPU: no options

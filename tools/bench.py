@@ -39,6 +39,7 @@ from aah_lightning.model.attention.flex import FlexPlan, compiled_flex_attention
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.window_math import default_candidates
 from aah_lightning.reporting import md_table, sync
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
@@ -82,7 +83,7 @@ def med(times: list[float]) -> float:
 
 def window_mix(seq_len: int, heads: int, shares=PAPER_MIX) -> torch.Tensor:
     """A window row with the given shares of T/8, T/4, T/2, T (largest-remainder rounding), in increasing order."""
-    cands = [seq_len // 8, seq_len // 4, seq_len // 2, seq_len]
+    cands = default_candidates(seq_len)  # T/8, T/4, T/2, T
     exact = [s * heads for s in shares]
     counts = [int(x) for x in exact]
     for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: heads - sum(counts)]:
@@ -313,7 +314,7 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
 def section_d(args, device) -> str:
     T, L, H = 4096, 12, 12
     g = torch.Generator().manual_seed(0)
-    cands = torch.tensor([T // 8, T // 4, T // 2, T], dtype=torch.int32)
+    cands = torch.tensor(default_candidates(T), dtype=torch.int32)
     tables = [cands[torch.randint(4, (L, H), generator=g)].to(device) for _ in range(args.repeats + 1)]
     rows = []
     for backend in ("flex", "banded"):
@@ -339,7 +340,7 @@ def section_e(args, device, dtype) -> str:
     model = small_model(device, T, backend="flex")
     tokens = torch.randint(model.cfg.vocab_size, (1, T), device=device)
     g = torch.Generator().manual_seed(1)
-    cands = torch.tensor([T // 8, T // 4, T // 2, T], dtype=torch.int32)
+    cands = torch.tensor(default_candidates(T), dtype=torch.int32)
     train = device.type == "cuda"  # flex trains only on CUDA; on CPU compiled flex serves inference
 
     def run():

@@ -25,6 +25,7 @@ from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.data.batch import split_batch
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.window_math import default_candidates
 from aah_lightning.reporting import md_table, sync
 
 
@@ -56,7 +57,7 @@ def main(argv=None) -> None:
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=T, n_layer=args.n_layer, n_head=args.n_head,
                           n_embd=args.n_embd)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    candidates = sorted({max(1, T // 8), max(1, T // 4), max(1, T // 2), T})
+    candidates = default_candidates(T)
     controller = ControllerConfig(
         warmup_steps=args.warmup, control_interval=interval, depth=args.depth,
         probe_sequences=args.probe_sequences, probe_queries=args.probe_queries,

@@ -7,7 +7,8 @@
 
 Needs only torch (and triton on CUDA) and the aah package: no datasets, no jsonargparse. Run from the repository root.
 
-Stages, most important first (each is skipped, and says so, once less than its estimated time is left of --budget):
+Stages, in the order they run: attention (with parity and recompiles) and end to end at T=4096, the same at T=16384,
+then tuning. Each is skipped, and says so, once less than its estimated time is left of --budget:
   parity      every plan against a float64 dense reference at the first T: output and dq, dk, dv of batch element 0,
               passing when within 2x the error of SDPA with the same dense mask and dtype (or a small floor) - the
               rule tools/gpu_check.py uses.
@@ -175,65 +176,61 @@ def parity(run: Run, name: str, plan, qkv, dout, want, sdpa_err, floor: float) -
 
 
 # -- attention ---------------------------------------------------------------------------------------------------
-def attention(run: Run, args, device, dtype) -> None:
+def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> None:
     H, D = args.heads, args.head_dim
-    for index, (T, B) in enumerate(shapes(args)):
-        first = index == 0
-        if not run.stage(f"attention T={T} B={B}", args.stage_estimate):
-            continue
-        row = bench.window_mix(T, H)
-        full = torch.full((H,), T, dtype=torch.int32)
-        qkv, dout = inputs(B, H, T, D, device, dtype)
-        plans = {"sdpa causal": CausalPlan(tuple(full.tolist()), T)}
-        for name in PLANS:
-            try:
-                plan, reason = plan_for(name, row, T, device)
-            except Exception as err:  # a plan that cannot even be built is a result, not a crash
-                plan, reason = None, run.error(f"build {name} T={T}", err)
-            if plan is None:
-                run.results["attention"].append({"T": T, "B": B, "plan": name, "unavailable": reason})
-                print(f"  {name}: unavailable ({reason})", flush=True)
-            else:
-                plans[name] = plan
-        if first and device.type == "cuda":
-            plans["flex causal"] = candidate_plan({}, 128, full, T, device)
-        if first:
-            want, sdpa_err = reference(*qkv, row, dout)
-            floor = 1e-4 if dtype == torch.float32 else 2e-2
-        fns, compile_s = {}, {}
-        for name, plan in plans.items():
-            try:
-                t0 = time.perf_counter()
-                fwd, fwd_bwd = timed_pair(plan, qkv, dout)
-                fwd_bwd()  # compiles
-                bench.sync(device)
-                compile_s[name] = time.perf_counter() - t0
-                if first and name not in ("sdpa causal", "flex causal"):  # baselines: not the windowed mask
-                    parity(run, name, plan, qkv, dout, want, sdpa_err, floor)
-                fns[f"{name}|fwd"], fns[f"{name}|fwd+bwd"] = fwd, fwd_bwd
-            except Exception as err:
-                failed = run.error(f"{name} T={T}", err)
-                run.results["attention"].append({"T": T, "B": B, "plan": name, "error": failed})
-        fns["gather+scatter of heads|copies"] = gather_scatter(qkv)
-        times = bench.timeit(fns, device, args.repeats)
-        base = {kind: statistics.median(times[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
-        cov, dens = metrics.causal_coverage(row, T).item(), metrics.block_density(row, T, 128).item()
-        for key, ts in times.items():
-            name, kind = key.split("|")
-            ms = statistics.median(ts)
-            entry = {"T": T, "B": B, "plan": name, "kind": kind, "ms": ms, "min": min(ts), "max": max(ts),
-                     "coverage": cov, "block_density": dens, "first_call_s": compile_s.get(name)}
-            if kind in base:
-                entry["ratio"] = ms / base[kind]
-            (run.results["copies"] if kind == "copies" else run.results["attention"]).append(entry)
-        for name in plans:
-            if f"{name}|fwd" in times:
-                bwd = statistics.median(times[f"{name}|fwd+bwd"]) - statistics.median(times[f"{name}|fwd"])
-                base_bwd = base["fwd+bwd"] - base["fwd"]
-                run.results["attention"].append({"T": T, "B": B, "plan": name, "kind": "bwd", "ms": bwd,
-                                                 "ratio": bwd / base_bwd if base_bwd > 0 else float("nan")})
-        if device.type == "cuda" or args.smoke:
-            recompiles(run, plans, row, T, qkv, dout, device)
+    if not run.stage(f"attention T={T} B={B}", args.stage_estimate):
+        return
+    row = bench.window_mix(T, H)
+    full = torch.full((H,), T, dtype=torch.int32)
+    qkv, dout = inputs(B, H, T, D, device, dtype)
+    plans = {"sdpa causal": CausalPlan(tuple(full.tolist()), T)}
+    for name in PLANS:
+        try:
+            plan, reason = plan_for(name, row, T, device)
+        except Exception as err:  # a plan that cannot even be built is a result, not a crash
+            plan, reason = None, run.error(f"build {name} T={T}", err)
+        if plan is None:
+            run.results["attention"].append({"T": T, "B": B, "plan": name, "unavailable": reason})
+            print(f"  {name}: unavailable ({reason})", flush=True)
+        else:
+            plans[name] = plan
+    if first:
+        want, sdpa_err = reference(*qkv, row, dout)
+        floor = 1e-4 if dtype == torch.float32 else 2e-2
+    fns, compile_s = {}, {}
+    for name, plan in plans.items():
+        try:
+            t0 = time.perf_counter()
+            fwd, fwd_bwd = timed_pair(plan, qkv, dout)
+            fwd_bwd()  # compiles
+            bench.sync(device)
+            compile_s[name] = time.perf_counter() - t0
+            if first and name != "sdpa causal":  # the baseline: not the windowed mask
+                parity(run, name, plan, qkv, dout, want, sdpa_err, floor)
+            fns[f"{name}|fwd"], fns[f"{name}|fwd+bwd"] = fwd, fwd_bwd
+        except Exception as err:
+            failed = run.error(f"{name} T={T}", err)
+            run.results["attention"].append({"T": T, "B": B, "plan": name, "error": failed})
+    fns["gather+scatter of heads|copies"] = gather_scatter(qkv)
+    times = bench.timeit(fns, device, args.repeats)
+    base = {kind: statistics.median(times[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
+    cov, dens = metrics.causal_coverage(row, T).item(), metrics.block_density(row, T, 128).item()
+    for key, ts in times.items():
+        name, kind = key.split("|")
+        ms = statistics.median(ts)
+        entry = {"T": T, "B": B, "plan": name, "kind": kind, "ms": ms, "min": min(ts), "max": max(ts),
+                 "coverage": cov, "block_density": dens, "first_call_s": compile_s.get(name)}
+        if kind in base:
+            entry["ratio"] = ms / base[kind]
+        (run.results["copies"] if kind == "copies" else run.results["attention"]).append(entry)
+    for name in plans:
+        if f"{name}|fwd" in times:
+            bwd = statistics.median(times[f"{name}|fwd+bwd"]) - statistics.median(times[f"{name}|fwd"])
+            base_bwd = base["fwd+bwd"] - base["fwd"]
+            run.results["attention"].append({"T": T, "B": B, "plan": name, "kind": "bwd", "ms": bwd,
+                                             "ratio": bwd / base_bwd if base_bwd > 0 else float("nan")})
+    if device.type == "cuda" or args.smoke:
+        recompiles(run, plans, row, T, qkv, dout, device)
 
 
 def gather_scatter(qkv):
@@ -256,7 +253,7 @@ def recompiles(run: Run, plans: dict, row: torch.Tensor, T: int, qkv, dout, devi
     same = torch.where(same < T, torch.clamp(same - 7, min=1), same)  # new values, same windowed / full split
     fewer = torch.where(torch.arange(row.numel()) % 2 == 0, torch.full_like(row, T), row)
     for name, plan in plans.items():
-        if name in ("sdpa causal", "flex causal"):
+        if name == "sdpa causal":
             continue
         counts = {}
         try:
@@ -316,42 +313,41 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
     return GPT(GPTConfig(vocab_size=97, seq_len=seq_len, n_layer=2, n_head=4, n_embd=64, backend=backend)).to(device)
 
 
-def end_to_end(run: Run, args, device, dtype) -> None:
+def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
     variants = {"full causal": (False, "auto")}
     for name in ("flex", "split", "varlen") if device.type == "cuda" else ("banded", "split"):
         if get_backend(name).available(device, needs_grad=True):
             variants[f"AAH, {name}"] = (True, name)
-    for T, B in shapes(args):
-        if not run.stage(f"end to end T={T} B={B}", args.stage_estimate * (len(variants) - 1) / 2):
-            continue
-        steps, models = {}, {}
-        for label, (aah, backend) in variants.items():
-            try:
-                model = models[label] = gpt_model(device, T, backend, args.smoke)
-                table = bench.aah_table(model.cfg.n_layer, model.cfg.n_head, T)
-                model.set_windows(table if aah else torch.full_like(table, T))
-                tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
-                step = bench.train_step(model, tokens.to(device), device, dtype)
-                step()  # compiles
-                steps[label] = step
-            except Exception as err:
-                run.results["end_to_end"].append({"T": T, "B": B, "variant": label,
-                                                  "error": run.error(f"end to end {label} T={T}", err)})
-            bench.sync(device)
-        times = bench.timeit(steps, device, args.train_repeats, warmup=1)
-        if "full causal" not in times:
-            continue
-        base = B * T / (statistics.median(times["full causal"]) / 1e3)
-        for label, ts in times.items():
-            tok_s = B * T / (statistics.median(ts) / 1e3)
-            kinds = sorted({p.kind for p in models[label].attention_plans(T)})
-            run.results["end_to_end"].append({
-                "T": T, "B": B, "variant": label, "plans": kinds, "step_ms": statistics.median(ts),
-                "tokens_per_s": tok_s, "vs_full_causal": tok_s / base,
-                "acr": metrics.acr(models[label].windows, T).item(), "params": models[label].num_params()})
-        del models, steps
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    if not run.stage(f"end to end T={T} B={B}", args.stage_estimate * (len(variants) - 1) / 2):
+        return
+    steps, models = {}, {}
+    for label, (aah, backend) in variants.items():
+        try:
+            model = models[label] = gpt_model(device, T, backend, args.smoke)
+            table = bench.aah_table(model.cfg.n_layer, model.cfg.n_head, T)
+            model.set_windows(table if aah else torch.full_like(table, T))
+            tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+            step = bench.train_step(model, tokens.to(device), device, dtype)
+            step()  # compiles
+            steps[label] = step
+        except Exception as err:
+            run.results["end_to_end"].append({"T": T, "B": B, "variant": label,
+                                              "error": run.error(f"end to end {label} T={T}", err)})
+        bench.sync(device)
+    times = bench.timeit(steps, device, args.train_repeats, warmup=1)
+    if "full causal" not in times:
+        return
+    base = B * T / (statistics.median(times["full causal"]) / 1e3)
+    for label, ts in times.items():
+        tok_s = B * T / (statistics.median(ts) / 1e3)
+        kinds = sorted({p.kind for p in models[label].attention_plans(T)})
+        run.results["end_to_end"].append({
+            "T": T, "B": B, "variant": label, "plans": kinds, "step_ms": statistics.median(ts),
+            "tokens_per_s": tok_s, "vs_full_causal": tok_s / base,
+            "acr": metrics.acr(models[label].windows, T).item(), "params": models[label].num_params()})
+    del models, steps
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # -- report ------------------------------------------------------------------------------------------------------
@@ -362,7 +358,7 @@ def verdicts(results: dict, seq_lens: list[int]) -> list[dict]:
             if limit is None:
                 continue
             cands = [r for r in results["attention"] if r.get("kind") == kind and r["T"] == T and "ratio" in r
-                     and r["plan"] not in ("sdpa causal", "flex causal")]
+                     and r["plan"] != "sdpa causal"]
             if cands:
                 best = min(cands, key=lambda r: r["ratio"])
                 rows.append({"target": f"attention {kind} / SDPA causal <= {limit}, T={T}", "best": best["plan"],
@@ -450,10 +446,11 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     print(f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
           f"machine: {bench.machine(device)}\n", flush=True)
-    if "attention" in stages:
-        attention(run, args, device, dtype)
-    if "e2e" in stages:
-        end_to_end(run, args, device, dtype)
+    for index, (T, B) in enumerate(shapes(args)):  # the first T's numbers first, then the longer T's
+        if "attention" in stages:
+            attention(run, args, device, dtype, T, B, first=index == 0)
+        if "e2e" in stages:
+            end_to_end(run, args, device, dtype, T, B)
     if "tuning" in stages and device.type == "cuda":
         tuning(run, args, device, dtype)
     run.results["targets"] = verdicts(run.results, args.seq_lens)

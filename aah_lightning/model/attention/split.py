@@ -146,6 +146,3 @@ class SplitBackend(Backend):
             return split_plan(row, seq_len, [0] * len(row), part, device)
         return split_plan(row, seq_len, [w >= seq_len for w in row], part, device)
 
-    def cache_key(self, device) -> tuple:
-        return (torch.get_num_threads(),) if device.type == "cpu" else ()
-
