@@ -6,7 +6,8 @@ within one file system) and the folder is fsynced so the rename itself is durabl
 holds either the previous complete checkpoint or the new complete one. Lightning's default ``TorchCheckpointIO``
 writes through an fsspec transaction whose temporary file lives in the system temp folder: when that is another file
 system than the checkpoint folder (local /tmp, shared scratch), the commit is a copy into the destination, which a
-kill can truncate; it also never fsyncs.
+kill can truncate; it also never fsyncs. FSDP2's checkpoint folders, which every rank writes outside CheckpointIO,
+get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder, then an atomic swap of a link).
 
 Loading (``load_checkpoint_file``): the file must be a complete PyTorch archive whose CRC32 checksums match (torch
 itself does not check them, so a damaged copy would load silently), and it is unpickled with ``weights_only=True``
