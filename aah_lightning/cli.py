@@ -137,7 +137,7 @@ class AAHCLI(LightningCLI):
         )
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = path  # 'last' resolved to the file just checked, so Lightning loads that one
-        if subcommand == "fit" and path and "://" not in str(path) and path not in ("best", "hpc", "registry"):
+        if subcommand == "fit" and path:
             self._continue_log_folder(path, cfg.get("weights_only"))
 
     def _continue_log_folder(self, path: str, weights_only) -> None:

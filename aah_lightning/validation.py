@@ -137,6 +137,8 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
 
 def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
     """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
+    if path in _LIGHTNING_KEYWORDS or "://" in str(path):
+        return None
     if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
         meta = os.path.join(path, "meta.pt")
         checkpoint = torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}

@@ -104,6 +104,13 @@ def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_re
     assert {s for s, _ in amc} >= {2, 4, 6} and all(0 < v <= 1 for _, v in amc)  # before and after the resume
     runs = [read_run(tmp_path / "rec", r) for r in (0, 1)]
     _check_ranks(runs)
+    # train/loss is the step's mean over both ranks and both micro-batches (the recorder's rows are micro-batches in
+    # order, two per step; Lightning hands callbacks each micro-batch's loss divided by accumulate_grad_batches).
+    logged = dict(read_events(tmp_path / "tb")["scalars"]["train/loss"])  # a repeated step: the resumed run's value
+    assert sorted(logged) == list(range(STEPS))
+    for step, value in logged.items():
+        losses = [2 * r["loss"] for run in runs for r in run[2 * step : 2 * step + 2]]
+        assert value == pytest.approx(sum(losses) / 4, rel=1e-5), step
     # Sharded: every rank holds about half of each weight matrix.
     for run in runs:
         sharding = next(r["sharded"] for r in run if "sharded" in r)

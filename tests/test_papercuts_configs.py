@@ -11,7 +11,9 @@ import yaml
 from _cli_helpers import REPO
 from aah_lightning.cli import main
 
-OVERLAYS = sorted(glob.glob(f"{REPO}/configs/policies/*.yaml")) + [f"{REPO}/configs/{s}/static.yaml" for s in ("cpu", "paper")]
+OVERLAYS = sorted(glob.glob(f"{REPO}/configs/policies/*.yaml")) + [
+    f"{REPO}/configs/{s}/static.yaml" for s in ("cpu", "paper")
+]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: os.path.relpath(p, f"{REPO}/configs"))
@@ -19,8 +21,18 @@ def test_an_overlay_keeps_the_users_logger(overlay, tmp_path, capsys):
     folder = os.path.dirname(overlay)
     base = f"{folder}/base.yaml" if os.path.exists(f"{folder}/base.yaml") else f"{REPO}/configs/quickstart.yaml"
     mine = tmp_path / "mine.yaml"
-    mine.write_text(yaml.safe_dump({"trainer": {"logger": {
-        "class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "csv")}}}}))
+    mine.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "logger": {
+                        "class_path": "lightning.pytorch.loggers.CSVLogger",
+                        "init_args": {"save_dir": str(tmp_path / "csv")},
+                    }
+                }
+            }
+        )
+    )
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", base, "--config", str(mine), "--config", overlay, "--print_config"])
     assert exc.value.code == 0

@@ -30,18 +30,26 @@ def test_help_lists_the_choices(capsys):
     assert {"auto", "flex", "sdpa", "banded", "split"} <= set(backend_names())
     assert "--data.source {stdlib,files,hub,synthetic}" in text
     aah = _help(capsys, "--model.aah.help", "AAHConfig")
-    for option in ("allocator {reach,paper}", "grouping {cluster,none,fixed_random}", "metric {euclidean,cosine}",
-                   "feature_set {paper,reach,all}"):
+    for option in (
+        "allocator {reach,paper}",
+        "grouping {cluster,none,fixed_random}",
+        "metric {euclidean,cosine}",
+        "feature_set {paper,reach,all}",
+    ):
         assert f"--model.aah.controller.{option}" in aah
     # The policy is a registered name (a new policy needs no edit of the config class): its help lists them.
-    policy = aah[aah.index("  --model.aah.policy POLICY"):]
+    policy = aah[aah.index("  --model.aah.policy POLICY") :]
     assert all(name in policy[:800] for name in ("full", "fixed", "static", "random", "adaptive", "shuffle"))
 
 
 @pytest.mark.parametrize(
     "args, prefix",
-    [(["--help"], "model"), (["--help"], "data"), (["--model.aah.help", "AAHConfig"], "model.aah"),
-     (["--model.optim.help", "OptimConfig"], "model.optim")],
+    [
+        (["--help"], "model"),
+        (["--help"], "data"),
+        (["--model.aah.help", "AAHConfig"], "model.aah"),
+        (["--model.optim.help", "OptimConfig"], "model.optim"),
+    ],
 )
 def test_every_setting_is_documented(capsys, args, prefix):
     assert _undocumented(_help(capsys, *args), prefix) == []

@@ -25,8 +25,14 @@ def test_a_resume_keeps_the_given_config_not_the_checkpoints(tmp_path, tiny_args
 
 def test_a_finished_epoch_based_run_saves_its_end_state(tmp_path, tiny_args):
     # LastCheckpoint saves the end of a run that stops at max_epochs through ModelCheckpoint's own save of "last".
-    main(tiny_args("--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--checkpoint.every_n_train_steps=100",
-                   steps=-1))
+    main(
+        tiny_args(
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=3",
+            "--checkpoint.every_n_train_steps=100",
+            steps=-1,
+        )
+    )
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 3 and saved["epoch"] == 1  # the trainer's epoch after the finished one
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from tb import read_events
 
 from aah_lightning.cli import main
+from tb import read_events
 
 # The checkpoint interval does not divide the first run's length: its last checkpoint is the final step's.
 ARGS = ["--checkpoint.every_n_train_steps=4", "--trainer.enable_model_summary=false"]

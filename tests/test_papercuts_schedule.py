@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from tb import read_events
-
 from aah_lightning.cli import main
+from tb import read_events
 
 
 def test_validation_interval_longer_than_the_run_validates_at_the_end(tmp_path, tiny_args):

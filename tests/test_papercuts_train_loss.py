@@ -44,8 +44,15 @@ def test_train_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     logger = Recorded()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=3, accumulate_grad_batches=2, log_every_n_steps=1, logger=logger,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
         default_root_dir=tmp_path,
     )
     trainer.fit(model, datamodule=data)

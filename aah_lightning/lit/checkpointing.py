@@ -6,7 +6,8 @@ within one file system) and the folder is fsynced so the rename itself is durabl
 holds either the previous complete checkpoint or the new complete one. Lightning's default ``TorchCheckpointIO``
 writes through an fsspec transaction whose temporary file lives in the system temp folder: when that is another file
 system than the checkpoint folder (local /tmp, shared scratch), the commit is a copy into the destination, which a
-kill can truncate; it also never fsyncs.
+kill can truncate; it also never fsyncs. FSDP2's checkpoint folders, which every rank writes outside CheckpointIO,
+get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder, then an atomic swap of a link).
 
 Loading (``load_checkpoint_file``): the file must be a complete PyTorch archive whose CRC32 checksums match (torch
 itself does not check them, so a damaged copy would load silently), and it is unpickled with ``weights_only=True``
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import shutil
 import socket
 import uuid
 import zipfile
@@ -30,6 +32,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from aah_lightning.errors import CheckpointWriteError, ConfigError
 
@@ -72,7 +75,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_partials(folder: str) -> list[str]:
-    """Delete temporary files that writers on this host left when they were killed mid-write."""
+    """Delete temporary files (and checkpoint folders) that writers on this host left when they were killed
+    mid-write."""
     host, removed = socket.gethostname(), []
     for name in os.listdir(folder):
         if not name.startswith(PARTIAL_PREFIX):
@@ -80,8 +84,12 @@ def remove_stale_partials(folder: str) -> list[str]:
         parts = name[len(PARTIAL_PREFIX) :].rsplit("-", 2)  # host-pid-random; the host may contain '-'
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _pid_alive(int(parts[1])):
             continue
+        path = os.path.join(folder, name)
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(folder, name))
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
             removed.append(name)
     return removed
 
@@ -256,3 +264,65 @@ class LastCheckpoint(ModelCheckpoint):
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _partial_name() -> str:
+    return f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def swap_in(tmp: str, final: str) -> None:
+    """Make ``final`` the complete checkpoint ``tmp`` (a file or a folder) in one atomic step.
+
+    A file is renamed over ``final``. A folder cannot be renamed over another, so it is kept under a hidden name and
+    ``final`` becomes a symbolic link to it, swapped with ``os.replace``; the folder it pointed at before, and any
+    left by a writer killed between the swap and the clean-up, are removed afterwards."""
+    parent, name = os.path.dirname(os.path.abspath(final)), os.path.basename(final)
+    if os.path.isdir(final) and not os.path.islink(final):  # a folder an earlier version saved in place
+        os.rename(final, os.path.join(parent, f".{name}.{uuid.uuid4().hex[:8]}"))
+    if os.path.isdir(tmp):
+        kept = f".{name}.{uuid.uuid4().hex[:8]}"
+        os.rename(tmp, os.path.join(parent, kept))
+        link = os.path.join(parent, _partial_name())
+        os.symlink(kept, link)
+        os.replace(link, final)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(parent)
+    current = os.path.basename(os.path.realpath(final))
+    for other in os.listdir(parent):  # earlier folders of this checkpoint name, now unreferenced
+        if other.startswith(f".{name}.") and other != current:
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) whose checkpoints are swapped in whole, as single files are.
+
+    With ``save_distributed_checkpoint`` (the default) a checkpoint is a folder - one shard file per rank, the
+    ``.metadata`` of torch.distributed.checkpoint and Lightning's ``meta.pt`` - that every rank writes directly, not
+    through a CheckpointIO plugin, so a kill during a save would leave a half-written ``last.ckpt/``. Here every rank
+    writes into a hidden temporary folder next to the destination; once all have finished, rank 0 swaps it in
+    (``swap_in``): the destination always names a complete checkpoint. Same arguments as ModelParallelStrategy.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if _is_remote(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = os.path.abspath(self.broadcast(os.fspath(filepath)))
+        if self.is_global_zero:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            remove_stale_partials(os.path.dirname(final))
+        tmp = os.path.join(os.path.dirname(final), self.broadcast(_partial_name()))  # rank 0's name, on every rank
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("aah_checkpoint_written")
+        if self.is_global_zero:
+            swap_in(tmp, final)
+        self.barrier("aah_checkpoint_swapped")
+
+    def remove_checkpoint(self, filepath) -> None:
+        path = os.fspath(filepath)
+        if self.is_global_zero and os.path.islink(path):  # a swapped-in folder: the link and what it names
+            target = os.path.realpath(path)
+            os.remove(path)
+            shutil.rmtree(target, ignore_errors=True)
+            return
+        super().remove_checkpoint(filepath)
