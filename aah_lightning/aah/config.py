@@ -38,7 +38,13 @@ class ControllerConfig:
         paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
             paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
         coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
-        target_acr / target_causal_coverage: optional compute ceiling per layer (at most one of them).
+        target_acr / target_causal_coverage: optional compute budget (at most one of them): a ceiling on the mean
+            per-head cost of each layer, or of the whole model (``budget_scope``).
+        budget_scope: ``layer`` (each layer within the budget; the ``reach`` allocator shares it top-down) or
+            ``model`` (one budget for all layers: ``controller/budget.py`` chooses every group's window at once,
+            maximising the kept attention mass; ``reach`` only).
+        budget_over_run: the budget is the mean over the whole run, the full-context warmup included: each
+            decision's ceiling is what the remaining steps may still spend (``controller/budget.py``).
         parent_constraint: a child group's window never exceeds its parent's.
     Schedule:
         warmup_steps: every head sees the full context until this step; the first decision is made here.
@@ -66,6 +72,8 @@ class ControllerConfig:
     coverage_target: float = 0.9
     target_acr: Optional[float] = None
     target_causal_coverage: Optional[float] = None
+    budget_scope: str = "layer"
+    budget_over_run: bool = False
     parent_constraint: bool = True
     warmup_steps: int = 100
     control_interval: int = 50
@@ -128,6 +136,16 @@ class ControllerConfig:
                 smallest <= budget <= 1, key + name, budget,
                 f"in [{smallest:.4g}, 1]: the smallest candidate window {candidates[0]} already costs {smallest:.4g}",
             )
+        require(self.budget_scope in ("layer", "model"), key + "budget_scope", self.budget_scope, "layer or model")
+        for name, on in (("budget_scope", self.budget_scope == "model"), ("budget_over_run", self.budget_over_run)):
+            require(
+                not on or self.budget() is not None, key + name, getattr(self, name),
+                "only with a budget: set target_acr or target_causal_coverage",
+            )
+        require(
+            self.budget_scope == "layer" or self.allocator == "reach", key + "budget_scope", self.budget_scope,
+            f"model needs allocator: reach (allocator {self.allocator!r} does not take a budget)",
+        )
 
     def budget(self) -> tuple[str, float] | None:
         """``(measure, per-head budget)`` of the compute ceiling, or None."""

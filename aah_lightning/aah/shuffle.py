@@ -59,6 +59,9 @@ class ShufflePolicy(WindowPolicy):
         self.shuffles += 1
         return None if previous is not None and torch.equal(previous, self.table) else self.table.clone()
 
+    def set_run_length(self, total_steps: int) -> None:
+        self.inner.set_run_length(total_steps)  # the controller's budget over the run (permuting keeps its cost)
+
     # -- what diagnostics read: the controller's groups and their chosen windows (heads then show the shuffle) --
     @property
     def hierarchies(self):
