@@ -201,3 +201,17 @@ def test_integer_costs_are_the_measures_numerators():
         nums, den = budget.integer_costs([4, 8, 16, 40], 32, measure)
         assert torch.allclose(torch.tensor(nums, dtype=torch.float64) / den, window_costs([4, 8, 16, 40], 32, measure))
         assert all(isinstance(n, int) for n in nums) and math.gcd(*nums) >= 1
+
+
+def test_random_windows_with_a_table_draw_its_exact_histogram():
+    from aah_lightning.aah.config import AAHConfig
+    from aah_lightning.aah.policies import make_policy
+
+    table = [[8, 8, 16, 32], [4, 4, 8, 16]]
+    policy = make_policy(AAHConfig(policy="random", table=table, redraw_interval=1, seed=3), 2, 4, 32)
+    draws = [policy.initial_table()] + [policy.on_train_step(s, None, None) for s in range(1, 6)]
+    for draw in draws:
+        assert sorted(draw.flatten().tolist()) == sorted(sum(table, []))  # the same windows: the same ACR
+    assert len({tuple(d.flatten().tolist()) for d in draws}) > 1  # placed differently
+    with pytest.raises(ConfigError, match="the random policy needs n_layer=2 rows"):
+        make_policy(AAHConfig(policy="random", table=[[8, 8]]), 2, 4, 32)

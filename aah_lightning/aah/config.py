@@ -161,12 +161,14 @@ class AAHConfig:
     """Which policy writes the window table, and its settings.
 
     policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static`` (explicit ``table``),
-        ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller, settings in ``controller``),
+        ``random`` (seeded draw from ``candidates``, or ``table``'s windows placed at random over all heads),
+        ``adaptive`` (the AAH controller, settings in ``controller``),
         ``shuffle`` (the controller's table with each layer's windows permuted among its heads, re-permuted at
         every decision and, if ``redraw_interval`` > 0, every that many steps; a control).
     candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
     window: the window of the ``fixed`` policy.
-    table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
+    table: the ``static`` policy's windows, one list of ``n_head`` ints per layer (``random``: the windows each draw
+        places at random).
     seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
         ``paper`` allocator networks, and of the ``shuffle`` permutations).
     redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle`` re-permutes
@@ -212,7 +214,7 @@ class AAHConfig:
                 self.window,
                 f"an integer in [1, seq_len={seq_len}] (the fixed policy's window)",
             )
-        if self.policy == "static":
+        if self.policy == "static" or (self.policy == "random" and self.table is not None):
             table = self.table
             shape_ok = (
                 isinstance(table, list)
@@ -222,7 +224,7 @@ class AAHConfig:
             if not shape_ok:
                 got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
                 raise ConfigError(
-                    f"model.aah.table has row lengths {got}: the static policy needs n_layer={n_layer} rows of "
+                    f"model.aah.table has row lengths {got}: the {self.policy} policy needs n_layer={n_layer} rows of "
                     f"n_head={n_head} windows each"
                 )
             for row in table:

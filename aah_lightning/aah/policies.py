@@ -61,7 +61,9 @@ class StaticPolicy(WindowPolicy):
 
 
 class RandomPolicy(WindowPolicy):
-    """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``."""
+    """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``.
+    With a ``table``, every draw places exactly the table's windows at random over all heads instead (a fixed window
+    histogram, so every draw costs the same compute)."""
 
     name = "random"
 
@@ -70,6 +72,10 @@ class RandomPolicy(WindowPolicy):
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
     def _draw(self) -> Tensor:
+        if self.cfg.table is not None:
+            windows = torch.tensor(self.cfg.table, dtype=torch.int32).flatten()
+            order = torch.randperm(windows.numel(), generator=self.generator)
+            return windows[order].view(self.n_layer, self.n_head)
         choice = torch.randint(len(self.candidates), (self.n_layer, self.n_head), generator=self.generator)
         return torch.tensor(self.candidates, dtype=torch.int32)[choice]
 
