@@ -20,7 +20,7 @@ warmup included. Each decision's ceiling is what the remaining steps may still s
 has paid so far, so the run's mean lands on the target even though warmup paid full price and a decision may spend a
 little less than its ceiling.
 
-Deterministic CPU code (float64, ties to the cheaper candidate): every rank computes the same windows from the same
+Deterministic CPU code (float64, exact ties to the cheaper candidate): every rank computes the same windows from the same
 rank-averaged profiles.
 """
 
@@ -29,15 +29,13 @@ from __future__ import annotations
 import math
 from functools import reduce
 
-import torch
+import numpy as np
 from torch import Tensor
 
 from aah_lightning.aah.controller.allocators import LayerInputs, needed_index
 
 # Above this many budget units the knapsack runs on a coarser grid (memory: one byte per unit and group).
 MAX_UNITS = 1 << 16
-# Mass differences below this count as ties (resolved to the cheaper candidate).
-_EPS = 1e-12
 
 
 def integer_costs(candidates: list[int], seq_len: int, measure: str) -> tuple[list[int], int]:
@@ -68,24 +66,21 @@ def group_caps(inputs: LayerInputs) -> list[int]:
 
 def multiple_choice_knapsack(values: list[Tensor], weights: list[list[int]], capacity: int) -> list[int]:
     """Exact: one item per group (``values[g][j]``, integer ``weights[g][j]``), total weight <= ``capacity``, the
-    largest total value; ties go to the cheaper item. None of them fits: ``[0] * groups`` (the caller's fallback)."""
+    largest total value; exact ties go to the first (cheaper) item. None of them fits: ``[0] * groups`` (the caller's
+    fallback). numpy, not torch: hundreds of small array operations, where torch's per-call overhead dominates."""
     if sum(w[0] for w in weights) > capacity:
         return [0] * len(values)
-    best = torch.zeros(capacity + 1, dtype=torch.float64)  # best value with total weight <= b
+    best = np.zeros(capacity + 1)  # best value with total weight <= b
+    columns = np.arange(capacity + 1)
     choices = []
     for v, w in zip(values, weights):
-        new = torch.full_like(best, -math.inf)
-        pick = torch.zeros(capacity + 1, dtype=torch.int8)
+        cand = np.full((len(w), capacity + 1), -np.inf)
         for j, (vj, wj) in enumerate(zip(v.tolist(), w)):
-            if wj > capacity:
-                continue
-            cand = torch.full_like(best, -math.inf)
-            cand[wj:] = best[: capacity + 1 - wj] + vj
-            better = cand > new + _EPS
-            new = torch.where(better, cand, new)
-            pick = torch.where(better, torch.tensor(j, dtype=torch.int8), pick)
-        best = new
-        choices.append(pick)
+            if wj <= capacity:
+                cand[j, wj:] = best[: capacity + 1 - wj] + vj
+        pick = cand.argmax(0)  # the first maximum: the cheapest of equally good items
+        best = cand[pick, columns]
+        choices.append(pick.astype(np.int8))  # at most 127 candidates
     out, b = [0] * len(values), capacity
     for g in range(len(values) - 1, -1, -1):
         out[g] = int(choices[g][b])
