@@ -139,16 +139,14 @@ class AAHModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(tokens, doc_ids)
 
-    def _loss(self, batch) -> torch.Tensor:
-        tokens, docs = batch["tokens"], batch["doc_ids"]
-        logits = self.model(tokens[:, :-1], docs[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-
     def _token_losses(self, batch) -> torch.Tensor:
-        """``[B, T]``: the loss of each next-token prediction (evaluation: per-position losses)."""
+        """``[B, T]``: the cross-entropy of each next-token prediction."""
         tokens, docs = batch["tokens"], batch["doc_ids"]
         logits = self.model(tokens[:, :-1], docs[:, :-1])
         return F.cross_entropy(logits.transpose(1, 2).float(), tokens[:, 1:], reduction="none")
+
+    def _loss(self, batch) -> torch.Tensor:
+        return self._token_losses(batch).mean()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
