@@ -215,3 +215,21 @@ def test_random_windows_with_a_table_draw_its_exact_histogram():
     assert len({tuple(d.flatten().tolist()) for d in draws}) > 1  # placed differently
     with pytest.raises(ConfigError, match="the random policy needs n_layer=2 rows"):
         make_policy(AAHConfig(policy="random", table=[[8, 8]]), 2, 4, 32)
+
+
+def test_a_real_run_pays_its_target_on_average(tmp_path, tiny_args):
+    # aah fit with the whole-model budget over the run: the LightningModule tells the policy the run's length, and
+    # the ACR of every step (logged at every change of the table) averages to the target.
+    from tb import read_events
+
+    from aah_lightning.cli import main
+
+    main(tiny_args("--model.aah.policy=adaptive", "--model.aah.candidates=[4,8,16,32]",
+                   "--model.aah.controller.warmup_steps=2", "--model.aah.controller.control_interval=2",
+                   "--model.aah.controller.coverage_target=1.0", "--model.aah.controller.target_acr=0.4",
+                   "--model.aah.controller.budget_scope=model", "--model.aah.controller.budget_over_run=true",
+                   "--diagnostics.every_n_steps=1", steps=12))
+    acr = sorted(read_events(tmp_path / "runs")["scalars"]["aah/acr"])
+    assert [s for s, _ in acr] == list(range(1, 13))  # the table of every step: logged after steps 1..12
+    assert abs(sum(v for _, v in acr) / 12 - 0.4) <= 0.01
+    assert acr[0][1] == 1.0 and acr[-1][1] < 0.4  # warmup at full context, paid for afterwards
