@@ -20,8 +20,8 @@ warmup included. Each decision's ceiling is what the remaining steps may still s
 has paid so far, so the run's mean lands on the target even though warmup paid full price and a decision may spend a
 little less than its ceiling.
 
-Deterministic CPU code (float64, exact ties to the cheaper candidate): every rank computes the same windows from the same
-rank-averaged profiles.
+Deterministic CPU code (float64, exact ties to the cheaper candidate): every rank computes the same windows from the
+same rank-averaged profiles.
 """
 
 from __future__ import annotations
