@@ -10,7 +10,11 @@ from _controller_inputs import adaptive, random_profiles, synthetic_features
 from aah_lightning.aah import metrics
 from aah_lightning.aah.config import ControllerConfig
 from aah_lightning.aah.controller import budget
-from aah_lightning.aah.controller.allocators import LayerInputs, needed_index, window_costs
+from aah_lightning.aah.controller.allocators import (
+    LayerInputs,
+    needed_index,
+    window_costs,
+)
 from aah_lightning.aah.controller.hierarchy import Hierarchy
 from aah_lightning.errors import ConfigError
 
@@ -162,8 +166,8 @@ def test_budget_over_run_state_resumes_identically():
     cands, T = [4, 8, 16, 32], 32
     g = torch.Generator().manual_seed(1)
     feats_seq = [random_profiles(2, 4, 4, g) for _ in range(4)]
-    kwargs = dict(grouping="none", depth=1, coverage_target=1.0, target_acr=0.4, budget_scope="model",
-                  budget_over_run=True, warmup_steps=5, control_interval=5)
+    kwargs = {"grouping": "none", "depth": 1, "coverage_target": 1.0, "target_acr": 0.4, "budget_scope": "model",
+              "budget_over_run": True, "warmup_steps": 5, "control_interval": 5}
     a = adaptive(2, 4, T, cands, **kwargs)
     a.set_run_length(40)
     for i, p in enumerate(feats_seq[:2]):
@@ -185,10 +189,10 @@ def test_unreachable_run_mean_is_one_clear_error():
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (dict(budget_scope="global"), "budget_scope='global' is not allowed: layer or model"),
-        (dict(budget_scope="model"), "budget_scope='model' is not allowed: only with a budget"),
-        (dict(budget_over_run=True), "budget_over_run=True is not allowed: only with a budget"),
-        (dict(budget_scope="model", target_acr=0.5, allocator="paper"), "needs allocator: reach"),
+        ({"budget_scope": "global"}, "budget_scope='global' is not allowed: layer or model"),
+        ({"budget_scope": "model"}, "budget_scope='model' is not allowed: only with a budget"),
+        ({"budget_over_run": True}, "budget_over_run=True is not allowed: only with a budget"),
+        ({"budget_scope": "model", "target_acr": 0.5, "allocator": "paper"}, "needs allocator: reach"),
     ],
 )
 def test_budget_settings_are_checked(settings, match):
@@ -211,7 +215,7 @@ def test_random_windows_with_a_table_draw_its_exact_histogram():
     policy = make_policy(AAHConfig(policy="random", table=table, redraw_interval=1, seed=3), 2, 4, 32)
     draws = [policy.initial_table()] + [policy.on_train_step(s, None, None) for s in range(1, 6)]
     for draw in draws:
-        assert sorted(draw.flatten().tolist()) == sorted(sum(table, []))  # the same windows: the same ACR
+        assert sorted(draw.flatten().tolist()) == sorted(w for row in table for w in row)  # the same ACR
     assert len({tuple(d.flatten().tolist()) for d in draws}) > 1  # placed differently
     with pytest.raises(ConfigError, match="the random policy needs n_layer=2 rows"):
         make_policy(AAHConfig(policy="random", table=[[8, 8]]), 2, 4, 32)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import itertools
 import math
 import os
 import re
@@ -158,7 +159,7 @@ def step_mean(points: list[tuple[int, float]], end: int | None = None) -> float:
     """Mean over steps of a series logged at every change: each value holds until the next logged step, the last one
     up to step ``end`` (default: its own step), from the first logged step on."""
     end = points[-1][0] if end is None else max(end, points[-1][0])
-    held = sum(v * (s2 - s1) for (s1, v), (s2, _) in zip(points, points[1:]))
+    held = sum(v * (s2 - s1) for (s1, v), (s2, _) in itertools.pairwise(points))
     held += points[-1][1] * (end - points[-1][0] + 1)
     return held / (end - points[0][0] + 1)
 
@@ -508,7 +509,7 @@ def main(argv=None) -> None:
                 os.makedirs(ed)
                 with open(os.path.join(ed, "validate.log"), "w") as log:
                     cmd = validate_command(args.rows, path, seed, args.out, extra, n)
-                    if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                    if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode:
                         raise RuntimeError(f"{row_name(path)} seed {seed}: validation at {n} tokens failed; see {ed}")
                 open(os.path.join(ed, "done"), "w").close()
             long = read_scalars(ed)

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from aah_lightning.aah import metrics
 from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.controller import budget as budgets
 from aah_lightning.aah.controller import features as feats
 from aah_lightning.aah.controller.allocators import LayerInputs, make_allocator, window_costs
+from aah_lightning.aah.controller.budget import RunSpend, allocate_model
 from aah_lightning.aah.controller.grouping import (
     Partition,
     cluster_heads,
@@ -67,7 +67,7 @@ class AdaptivePolicy(WindowPolicy):
         self.last_step: int | None = None
         self.decisions = 0
         self.last_coverage: Tensor | None = None
-        self.spend = budgets.RunSpend(self.table_cost(self.initial_table()))
+        self.spend = RunSpend(self.table_cost(self.initial_table()))
 
     # -- schedule ----------------------------------------------------------------------------------------------------
     def is_control_step(self, step: int) -> bool:
@@ -133,7 +133,7 @@ class AdaptivePolicy(WindowPolicy):
             )
             self.partitions[layer] = level0
         if c.budget_scope == "model":
-            chosen_all = budgets.allocate_model(inputs, self.budget[0], ceiling)
+            chosen_all = allocate_model(inputs, self.budget[0], ceiling)
         else:
             chosen_all = [self.allocator(one) for one in inputs]
         for layer, (one, chosen) in enumerate(zip(inputs, chosen_all)):
