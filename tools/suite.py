@@ -413,11 +413,11 @@ def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float
             if xs:
                 ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o-", capsize=3, color=f"C{i % 10}", label=family)
         if reference is None:
-            ax.set_ylabel("final validation loss (nats/token), mean ± std over seeds")
+            ax.set_ylabel("final val loss (nats/token), mean ± std over seeds")
         else:
             ax.axhline(0.0, color="grey", linewidth=1)
             where = "" if key == "val_loss" else f" at {key.split()[0][3:]} tokens"
-            ax.set_ylabel(f"val loss{where} − same seed's baseline (nats/token), mean ± std")
+            ax.set_ylabel(f"val loss{where} − same seed's baseline, mean ± std")
         ax.set_xlabel("ACR paid (mean over the run's steps)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
