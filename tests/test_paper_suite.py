@@ -60,6 +60,12 @@ def val_losses(events):
     return [v for _, v in sorted(events["scalars"]["val/loss"])]
 
 
+def per_step_mean(points):
+    """Mean over every step from the first logged one to the last, each step taking the value last logged."""
+    points = sorted(points)
+    return statistics.fmean([v for s, v in points if s <= step][-1] for step in range(points[0][0], points[-1][0] + 1))
+
+
 def cell(table_line: str, column: int) -> str:
     return [c.strip() for c in table_line.strip().strip("|").split("|")][column]
 
@@ -80,12 +86,13 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     with open(out / "results.csv") as f:
         records = list(csv.DictReader(f))
     assert [(x["row"], int(x["seed"])) for x in records] == [(r, s) for r in sorted(ROWS) for s in SEEDS]
-    assert set(records[0]) == {"row", "seed", "wall_s", *suite.COLUMNS}
+    assert set(records[0]) == {"row", "seed", "wall_s", *suite.COLUMNS, "pos 0-31"}  # T = 32: one position bucket
     for x in records:
         ev = events[(x["row"], int(x["seed"]))]
         assert float(x["val_loss"]) == pytest.approx(last(ev, "val/loss"), rel=1e-6)
         assert float(x["acr"]) == pytest.approx(last(ev, "aah/acr"), rel=1e-6)
-        assert float(x["acr_mean"]) == pytest.approx(statistics.fmean(v for _, v in ev["scalars"]["aah/acr"]))
+        assert float(x["acr_mean"]) == pytest.approx(per_step_mean(ev["scalars"]["aah/acr"]))
+        assert float(x["pos 0-31"]) == pytest.approx(last(ev, "val/loss_by_position/0-31"), rel=1e-6)
         tps = statistics.median(v for _, v in ev["scalars"]["perf/tokens_per_sec"])
         assert float(x["tokens_per_sec"]) == pytest.approx(tps, rel=1e-6)
         assert float(x["wall_s"]) > 0
@@ -103,7 +110,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
         assert cell(body[r], 2) == f"{statistics.fmean(loss[r]):.4f} ± {statistics.stdev(loss[r]):.4f}"
         acr = [last(events[(r, s)], "aah/acr") for s in SEEDS]
         assert cell(body[r], 6) == f"{statistics.fmean(acr):.3f} ± {statistics.stdev(acr):.3f}"
-        acr_mean = [statistics.fmean(v for _, v in events[(r, s)]["scalars"]["aah/acr"]) for s in SEEDS]
+        acr_mean = [per_step_mean(events[(r, s)]["scalars"]["aah/acr"]) for s in SEEDS]
         assert cell(body[r], 7) == f"{statistics.fmean(acr_mean):.3f} ± {statistics.stdev(acr_mean):.3f}"
         gains = [first_val - last_val for first_val, last_val in (val_losses(events[(r, s)]) for s in SEEDS)]
         assert cell(body[r], 5) == f"{statistics.fmean(gains):.4f} ± {statistics.stdev(gains):.4f}"

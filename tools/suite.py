@@ -10,7 +10,14 @@ the shuffles); the data order and split stay fixed (``data.seed``), so all runs 
 are skipped when the suite is started again, and a run stopped part-way resumes exactly from its last checkpoint
 (``--ckpt_path last``), so an interrupted suite loses at most the steps since each run's last checkpoint. Outputs in
 ``<out>``: ``results.csv`` (one line per run), ``results.md`` (mean +- std over seeds per row, difference to the
-baseline row), ``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row).
+baseline row), ``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row), and
+``positions.md`` (the last validation's loss by position bucket per row).
+
+``--eval-seq-lens 2048 4096`` also validates each finished run's last checkpoint at those sequence lengths (``aah
+validate --data.seq_len L``: RoPE at any length, heads that saw the whole trained context keep the whole context),
+logged to ``<run>/eval/seq<L>/``; their losses join the records and ``positions.md``. Rows named
+``<family>_acr<target>`` (configs/frontier) are a quality-compute frontier: ``frontier.md`` and ``frontier.png``
+compare the families at each target ACR (docs/frontier.md).
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import itertools
 import math
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -37,13 +46,17 @@ COLUMNS = {
     # How much the last validation interval still gained: near 0 once the curve has flattened.
     "val_loss_last_gain": ("val/loss", "last_gain"),
     "acr": ("aah/acr", "last"),
-    # What the run paid on average: the adaptive rows start at full context, random windows are redrawn.
-    "acr_mean": ("aah/acr", "mean"),
+    # What the run paid on average over its steps: the adaptive rows start at full context, random windows are
+    # redrawn. aah/acr is logged whenever the table changes, so each value holds until the next one.
+    "acr_mean": ("aah/acr", "step_mean"),
     "causal_coverage": ("aah/causal_coverage", "last"),
     "block_density": ("aah/block_density", "last"),
     "attention_mass_coverage": ("aah/attention_mass_coverage", "last"),
     "tokens_per_sec": ("perf/tokens_per_sec", "median"),
 }
+POSITION_TAG = "val/loss_by_position/"
+# A frontier row: <family>_acr<target ACR>, e.g. fixed_acr0.25 (configs/frontier).
+FRONTIER_ROW = re.compile(r"^(?P<family>.+)_acr(?P<target>[0-9]*\.?[0-9]+)$")
 
 
 def row_files(rows_dir: str) -> list[str]:
@@ -80,6 +93,26 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
     ]
 
 
+def validate_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[str], seq_len: int) -> list[str]:
+    """``aah validate`` of the run's last checkpoint at ``seq_len`` tokens, logged to ``<run>/eval/seq<seq_len>``."""
+    rd = run_dir(out, row_name(row_path), seed)
+    return [
+        sys.executable, "-m", "aah_lightning", "validate",
+        "--config", os.path.join(rows_dir, "base.yaml"),
+        "--config", row_path,
+        f"--seed_everything={seed}",
+        f"--model.aah.seed={seed}",
+        f"--trainer.logger.init_args.save_dir={os.path.join(rd, 'eval')}",
+        f"--trainer.logger.init_args.name=seq{seq_len}",
+        "--trainer.logger.init_args.version=logs",
+        f"--checkpoint.dirpath={checkpoint_dir(rd)}",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+        f"--data.seq_len={seq_len}",
+        f"--ckpt_path={os.path.join(checkpoint_dir(rd), 'last.ckpt')}",
+    ]
+
+
 def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
     out = {}
     for column, (tag, how) in COLUMNS.items():
@@ -92,9 +125,32 @@ def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
             out[column] = values[-2] - values[-1] if len(values) > 1 else math.nan
         elif how == "mean":
             out[column] = statistics.fmean(values)
+        elif how == "step_mean":
+            out[column] = step_mean(series[tag], last_step(series))
         else:
             out[column] = statistics.median(values)
     return out
+
+
+def step_mean(points: list[tuple[int, float]], end: int | None = None) -> float:
+    """Mean over steps of a series logged at every change: each value holds until the next logged step, the last one
+    up to step ``end`` (default: its own step), from the first logged step on."""
+    end = points[-1][0] if end is None else max(end, points[-1][0])
+    held = sum(v * (s2 - s1) for (s1, v), (s2, _) in itertools.pairwise(points))
+    held += points[-1][1] * (end - points[-1][0] + 1)
+    return held / (end - points[0][0] + 1)
+
+
+def last_step(series: dict[str, list[tuple[int, float]]]) -> int:
+    """The run's number of optimizer steps, in the convention of the ``aah/`` tags (the count of steps done; Lightning
+    logs a step's own metrics at its 0-based index, so a run of N steps validates last at N - 1)."""
+    return max(v[-1][0] + (0 if tag.startswith("aah/") else 1) for tag, v in series.items() if v)
+
+
+def position_losses(series: dict[str, list[tuple[int, float]]], prefix: str = "") -> dict[str, float]:
+    """The last validation's loss per position bucket: ``{"<prefix>pos <first>-<last>": loss}``."""
+    return {f"{prefix}pos {tag[len(POSITION_TAG):]}": values[-1][1]
+            for tag, values in series.items() if tag.startswith(POSITION_TAG) and values}
 
 
 def fmt(mean: float, std: float, digits: int = 4) -> str:
@@ -104,8 +160,9 @@ def fmt(mean: float, std: float, digits: int = 4) -> str:
 
 
 def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:
+    fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["row", "seed", "wall_s", *COLUMNS])
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(records)
 
@@ -136,6 +193,14 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         f.write(table)
     plot(out, by_row, base)
     plot_curves(out, by_row, curves)
+    with open(os.path.join(out, "positions.md"), "w") as f:
+        f.write(position_tables(records, rows))
+    if any(FRONTIER_ROW.match(r) for r in rows):
+        frontier = frontier_table(by_row, base, eval_lengths(records))
+        with open(os.path.join(out, "frontier.md"), "w") as f:
+            f.write(frontier)
+        plot_frontier(out, by_row, base, eval_lengths(records))
+        table += "\n" + frontier
     return table
 
 
@@ -208,6 +273,124 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     plt.close(fig)
 
 
+def eval_lengths(records: list[dict]) -> list[int]:
+    """The --eval-seq-lens lengths the records hold a validation loss for."""
+    return sorted({int(k[3:].split()[0]) for x in records for k in x if re.fullmatch(r"seq\d+ val_loss", k)})
+
+
+def _bucket_start(column: str) -> int:
+    return int(column.rsplit(" ", 1)[1].split("-")[0])
+
+
+def position_tables(records: list[dict], rows: list[str]) -> str:
+    """Markdown: each row's last-validation loss per position bucket (mean ± std over seeds), at the training length
+    and at every --eval-seq-lens length."""
+    parts = []
+    for prefix in ["", *(f"seq{n} " for n in eval_lengths(records))]:
+        cols = sorted({k for x in records for k in x if k.startswith(prefix + "pos ")}, key=_bucket_start)
+        if not cols:
+            continue
+        where = "the training length" if not prefix else f"{prefix[3:].strip()} tokens"
+        parts += [
+            f"Validation loss by position at {where} (nats/token, mean ± std over seeds; columns: positions)\n",
+            "| row | " + " | ".join(c[len(prefix) + 4:] for c in cols) + " |",
+            "|---|" + "---|" * len(cols),
+        ]
+        for r in rows:
+            recs = [x for x in records if x["row"] == r]
+            if recs:
+                parts.append(f"| {r} | " + " | ".join(fmt(*mean_std([x.get(c, math.nan) for x in recs])) for c in cols)
+                             + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def frontier_rows(by_row: dict[str, list[dict]]) -> list[tuple[float, str, str]]:
+    """(target ACR, family, row) of the baseline (ACR 1) and every ``<family>_acr<target>`` row."""
+    out = []
+    for r in by_row:
+        m = FRONTIER_ROW.match(r)
+        if r == BASELINE:
+            out.append((1.0, BASELINE, r))
+        elif m:
+            out.append((float(m["target"]), m["family"], r))
+    return out
+
+
+def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], lengths: list[int]) -> str:
+    """Markdown: per target ACR, the families side by side, best paired difference to the baseline first, with what
+    each run paid (its ACR averaged over steps) against the target."""
+    head = ("| target ACR | family | seeds | ACR paid, mean over the run | paid − target, worst seed | val loss | "
+            "Δ val loss vs baseline | Δ per seed |")
+    rule = "|---|---|---|---|---|---|---|---|"
+    bases = {n: {x["seed"]: x.get(f"seq{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])} for n in lengths}
+    for n in lengths:
+        head += f" val loss at {n} tokens | Δ at {n} tokens vs baseline |"
+        rule += "---|---|"
+    entries = []
+    for target, family, r in frontier_rows(by_row):
+        recs = by_row[r]
+        if not recs:
+            continue
+        diffs = paired_diffs(recs, base) if r != BASELINE else []
+        d = mean_std(diffs)
+        worst = max((x["acr_mean"] - target for x in recs), key=abs)
+        cells = [
+            f"{target:g}", family, str(len(recs)), fmt(*mean_std([x["acr_mean"] for x in recs]), 3), f"{worst:+.3f}",
+            fmt(*mean_std([x["val_loss"] for x in recs])),
+            "–" if math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}",
+            " / ".join(f"{v:+.3f}" for v in diffs) or "–",
+        ]
+        for n in lengths:
+            key = f"seq{n} val_loss"
+            dn = mean_std([x.get(key, math.nan) - bases[n].get(x["seed"], math.nan) for x in recs])
+            cells += [fmt(*mean_std([x.get(key, math.nan) for x in recs])),
+                      "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}"]
+        entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
+    return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
+
+
+def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float], lengths: list[int]) -> None:
+    """Loss against the ACR each run paid, one line per family through its targets: each family's frontier. Panels:
+    the loss itself, the paired difference to the baseline, and that difference at each --eval-seq-lens length."""
+    plt = pyplot()
+    panels = [("val_loss", None), ("val_loss", base)]
+    panels += [(f"seq{n} val_loss", {x["seed"]: x.get(f"seq{n} val_loss", math.nan)
+                                     for x in by_row.get(BASELINE, [])}) for n in lengths]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    families: dict[str, list[str]] = {}
+    for target, family, r in sorted(frontier_rows(by_row)):
+        families.setdefault(family, []).append(r)
+    for ax, (key, reference) in zip(axes[0], panels):
+        for i, (family, rows) in enumerate(families.items()):
+            xs, ys, xerr, yerr = [], [], [], []
+            for r in rows:
+                recs = by_row[r]
+                if reference is None:
+                    y = mean_std([x.get(key, math.nan) for x in recs])
+                elif family == BASELINE:
+                    continue
+                else:
+                    y = mean_std([x.get(key, math.nan) - reference.get(x["seed"], math.nan) for x in recs])
+                acr = mean_std([x["acr_mean"] for x in recs])
+                if not math.isnan(y[0]) and not math.isnan(acr[0]):
+                    xs.append(acr[0]), ys.append(y[0]), xerr.append(acr[1]), yerr.append(y[1])
+            if xs:
+                ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o-", capsize=3, color=f"C{i % 10}", label=family)
+        if reference is None:
+            ax.set_ylabel("final val loss (nats/token), mean ± std over seeds")
+        else:
+            ax.axhline(0.0, color="grey", linewidth=1)
+            where = "" if key == "val_loss" else f" at {key.split()[0][3:]} tokens"
+            ax.set_ylabel(f"val loss{where} − same seed's baseline, mean ± std")
+        ax.set_xlabel("ACR paid (mean over the run's steps)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "frontier.png"), dpi=120)
+    plt.close(fig)
+
+
 def interrupted_time(rd: str):
     """For a run that was stopped part-way (a suite killed, a job pre-empted) and left a last checkpoint: the
     seconds its earlier attempts spent up to that checkpoint (work after it is redone on resume). None when there is
@@ -232,6 +415,8 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
+    p.add_argument("--eval-seq-lens", type=int, nargs="*", default=[],
+                   help="also validate each run's last checkpoint at these sequence lengths (e.g. 2T and 4T)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
@@ -244,6 +429,8 @@ def main(argv=None) -> None:
     if args.dry_run:
         for path, seed in runs:
             print(" ".join(shlex.quote(a) for a in fit_command(args.rows, path, seed, args.out, extra)))
+            for n in args.eval_seq_lens:
+                print(" ".join(shlex.quote(a) for a in validate_command(args.rows, path, seed, args.out, extra, n)))
         return
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up: one setting for every run
@@ -277,9 +464,22 @@ def main(argv=None) -> None:
                 f.write(f"{before + time.time() - t0:.1f}\n")
         with open(done) as f:
             wall = float(f.read())
-        series = read_scalars(rd)
+        series = read_scalars(os.path.join(rd, "logs"))
         curves[(row_name(path), seed)] = series.get("val/loss", [])
-        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(series)}
+        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(series), **position_losses(series)}
+        for n in args.eval_seq_lens:  # the finished run's last checkpoint at other lengths (each done once)
+            ed = os.path.join(rd, "eval", f"seq{n}")
+            if not os.path.exists(os.path.join(ed, "done")):
+                shutil.rmtree(ed, ignore_errors=True)
+                os.makedirs(ed)
+                with open(os.path.join(ed, "validate.log"), "w") as log:
+                    cmd = validate_command(args.rows, path, seed, args.out, extra, n)
+                    if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode:
+                        raise RuntimeError(f"{row_name(path)} seed {seed}: validation at {n} tokens failed; see {ed}")
+                open(os.path.join(ed, "done"), "w").close()
+            long = read_scalars(ed)
+            record[f"seq{n} val_loss"] = long["val/loss"][-1][1]
+            record.update(position_losses(long, f"seq{n} "))
         print(f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
               f"{wall:.0f} s", flush=True)
         return record

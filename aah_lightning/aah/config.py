@@ -39,8 +39,13 @@ class ControllerConfig:
         paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
             paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
         coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
-        target_acr: optional compute ceiling per layer as a mean window / T (ACR; at most one ceiling).
-        target_causal_coverage: optional compute ceiling per layer as causal coverage (at most one ceiling).
+        target_acr / target_causal_coverage: optional compute budget (at most one of them): a ceiling on the mean
+            per-head cost of each layer, or of the whole model (``budget_scope``).
+        budget_scope: ``layer`` (each layer within the budget; the ``reach`` allocator shares it top-down) or
+            ``model`` (one budget for all layers: ``controller/budget.py`` chooses every group's window at once,
+            maximising the kept attention mass; ``reach`` only).
+        budget_over_run: the budget is the mean over the whole run, the full-context warmup included: each
+            decision's ceiling is what the remaining steps may still spend (``controller/budget.py``).
         parent_constraint: a child group's window never exceeds its parent's.
         warmup_steps: every head sees the full context until this step; the first decision is made here.
         control_interval: decide every this many steps after warmup.
@@ -67,6 +72,8 @@ class ControllerConfig:
     coverage_target: float = 0.9
     target_acr: Optional[float] = None
     target_causal_coverage: Optional[float] = None
+    budget_scope: str = "layer"
+    budget_over_run: bool = False
     parent_constraint: bool = True
     warmup_steps: int = 100
     control_interval: int = 50
@@ -127,6 +134,16 @@ class ControllerConfig:
                 smallest <= budget <= 1, key + name, budget,
                 f"in [{smallest:.4g}, 1]: the smallest candidate window {candidates[0]} already costs {smallest:.4g}",
             )
+        require(self.budget_scope in ("layer", "model"), key + "budget_scope", self.budget_scope, "layer or model")
+        for name, on in (("budget_scope", self.budget_scope == "model"), ("budget_over_run", self.budget_over_run)):
+            require(
+                not on or self.budget() is not None, key + name, getattr(self, name),
+                "only with a budget: set target_acr or target_causal_coverage",
+            )
+        require(
+            self.budget_scope == "layer" or self.allocator == "reach", key + "budget_scope", self.budget_scope,
+            f"model needs allocator: reach (allocator {self.allocator!r} does not take a budget)",
+        )
 
     def budget(self) -> tuple[str, float] | None:
         """``(measure, per-head budget)`` of the compute ceiling, or None."""
@@ -143,14 +160,16 @@ class AAHConfig:
 
     Attributes:
         policy: a registered policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static``
-            (explicit ``table``), ``random`` (seeded draw from ``candidates``), ``adaptive`` (the AAH controller,
+            (explicit ``table``), ``random`` (seeded draw from ``candidates``, or
+            ``table``'s windows placed at random over all heads), ``adaptive`` (the AAH controller,
             settings in ``controller``), ``shuffle`` (the controller's table with each layer's windows permuted among
             its heads, re-permuted at every decision and, if ``redraw_interval`` > 0, every that many steps; a
             control), or ``module:name`` of a policy registered in an importable module (docs/architecture.md,
             "Adding a window policy").
         candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
         window: the window of the ``fixed`` policy.
-        table: the ``static`` policy's windows, one list of ``n_head`` ints per layer.
+        table: the ``static`` policy's windows, one list of ``n_head`` ints per layer (``random``: the windows
+            each draw places at random).
         seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
             ``paper`` allocator networks, and of the ``shuffle`` permutations).
         redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle``

@@ -13,6 +13,29 @@ from aah_lightning.aah.policy_base import WindowPolicy, register
 from aah_lightning.errors import ConfigError, require
 
 
+def check_table(table, policy: str, seq_len: int, n_layer: int, n_head: int) -> None:
+    """``model.aah.table``: n_layer rows of n_head windows, each in [1, T]."""
+    shape_ok = (
+        isinstance(table, list)
+        and len(table) == n_layer
+        and all(isinstance(row, list) and len(row) == n_head for row in table)
+    )
+    if not shape_ok:
+        got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
+        raise ConfigError(
+            f"model.aah.table has row lengths {got}: the {policy} policy needs n_layer={n_layer} rows of "
+            f"n_head={n_head} windows each"
+        )
+    for row in table:
+        for w in row:
+            require(
+                isinstance(w, int) and 0 < w <= seq_len,
+                "model.aah.table",
+                w,
+                f"every window an integer in [1, seq_len={seq_len}]",
+            )
+
+
 @register("full")
 class FullPolicy(WindowPolicy):
     """Every head sees the whole causal context (the baseline)."""
@@ -41,26 +64,7 @@ class StaticPolicy(WindowPolicy):
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
-        table = cfg.table
-        shape_ok = (
-            isinstance(table, list)
-            and len(table) == n_layer
-            and all(isinstance(row, list) and len(row) == n_head for row in table)
-        )
-        if not shape_ok:
-            got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
-            raise ConfigError(
-                f"model.aah.table has row lengths {got}: the static policy needs n_layer={n_layer} rows of "
-                f"n_head={n_head} windows each"
-            )
-        for row in table:
-            for w in row:
-                require(
-                    isinstance(w, int) and 0 < w <= seq_len,
-                    "model.aah.table",
-                    w,
-                    f"every window an integer in [1, seq_len={seq_len}]",
-                )
+        check_table(cfg.table, "static", seq_len, n_layer, n_head)
 
     def initial_table(self) -> Tensor:
         return torch.tensor(self.cfg.table, dtype=torch.int32)
@@ -68,13 +72,24 @@ class StaticPolicy(WindowPolicy):
 
 @register("random")
 class RandomPolicy(WindowPolicy):
-    """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``."""
+    """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``.
+    With a ``table``, every draw places exactly the table's windows at random over all heads instead (a fixed window
+    histogram, so every draw costs the same compute)."""
+
+    @classmethod
+    def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
+        if cfg.table is not None:
+            check_table(cfg.table, "random", seq_len, n_layer, n_head)
 
     def __init__(self, cfg, n_layer, n_head, seq_len):
         super().__init__(cfg, n_layer, n_head, seq_len)
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
     def _draw(self) -> Tensor:
+        if self.cfg.table is not None:
+            windows = torch.tensor(self.cfg.table, dtype=torch.int32).flatten()
+            order = torch.randperm(windows.numel(), generator=self.generator)
+            return windows[order].view(self.n_layer, self.n_head)
         choice = torch.randint(len(self.candidates), (self.n_layer, self.n_head), generator=self.generator)
         return torch.tensor(self.candidates, dtype=torch.int32)[choice]
 

@@ -66,6 +66,9 @@ class ShufflePolicy(WindowPolicy):
         """The controller's groups and their chosen windows (the heads' windows then show the shuffle)."""
         return self.inner.report()
 
+    def set_run_length(self, total_steps: int) -> None:
+        self.inner.set_run_length(total_steps)  # the controller's budget over the run (permuting keeps its cost)
+
     @classmethod
     def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
         return AdaptivePolicy.report_from_state(state.get("inner") or {}, candidates)

@@ -20,6 +20,7 @@ from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
+from aah_lightning.lit.evaluation import PositionLoss, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -116,6 +117,7 @@ class AAHModule(L.LightningModule):
         self.model.set_windows(self.policy.initial_table())
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
@@ -133,10 +135,14 @@ class AAHModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(tokens, doc_ids)
 
-    def _loss(self, batch) -> torch.Tensor:
+    def _token_losses(self, batch) -> torch.Tensor:
+        """``[B, T]``: the cross-entropy of each next-token prediction."""
         inputs, targets, docs = split_batch(batch)
         logits = self.model(inputs, docs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")
+
+    def _loss(self, batch) -> torch.Tensor:
+        return self._token_losses(batch).mean()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
@@ -166,23 +172,30 @@ class AAHModule(L.LightningModule):
         return mean
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.val_loss.update(loss, weight=batch["tokens"].shape[0])
+        losses = self._token_losses(batch)
+        self.val_loss.update(losses.mean(), weight=batch["tokens"].shape[0])
+        self.val_position_loss.update(losses)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
         self.val_loss.reset()
+        self.log_dict({f"val/loss_by_position/{k}": v for k, v in self.val_position_loss.compute().items()})
+        self.val_position_loss.reset()
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.test_loss.update(self._loss(batch), weight=batch["tokens"].shape[0])
+        losses = self._token_losses(batch)
+        self.test_loss.update(losses.mean(), weight=batch["tokens"].shape[0])
+        self.test_position_loss.update(losses)
 
     def on_test_epoch_end(self) -> None:
         loss = self.test_loss.compute()
         self.log("test/loss", loss)
         self.log("test/ppl", torch.exp(loss))
         self.test_loss.reset()
+        self.log_dict({f"test/loss_by_position/{k}": v for k, v in self.test_position_loss.compute().items()})
+        self.test_position_loss.reset()
 
     # -- optimisation ------------------------------------------------------------------------------------------------
     def parameter_groups(self) -> list[dict]:
@@ -223,6 +236,8 @@ class AAHModule(L.LightningModule):
             )
 
     def on_train_start(self) -> None:
+        if hasattr(self.policy, "set_run_length"):  # a budget that is a mean over the run needs the run's length
+            self.policy.set_run_length(int(self.trainer.estimated_stepping_batches))
         # Restored here, after Lightning has built the train loader (which draws from the global RNG), so the
         # generators continue from exactly where the interrupted run saved them.
         if self._rng_to_restore is not None:
@@ -239,6 +254,7 @@ class AAHModule(L.LightningModule):
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
         validation.check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
+        widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
         states = checkpoint.get("aah_rng")
         world = self.trainer.world_size if self._trainer is not None else 1

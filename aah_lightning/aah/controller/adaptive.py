@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from aah_lightning.aah import metrics
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.aah.controller import features as feats
 from aah_lightning.aah.controller.allocators import LayerInputs, window_costs
+from aah_lightning.aah.controller.budget import RunSpend, allocate_model
 from aah_lightning.aah.controller.grouping import (
     Partition,
     cluster_heads,
@@ -46,9 +48,9 @@ class AdaptivePolicy(WindowPolicy):
         self.ctl = cfg.controller
         self.layout = feats.FeatureLayout(len(self.candidates))
         self.allocator = make_allocator(self.ctl, n_layer, self.candidates, cfg.seed)
-        budget = self.ctl.budget()
-        self.costs = None if budget is None else window_costs(self.candidates, seq_len, budget[0])
-        self.layer_budget = None if budget is None else budget[1] * n_head
+        self.budget = self.ctl.budget()  # (measure, per-head target) or None
+        self.costs = None if self.budget is None else window_costs(self.candidates, seq_len, self.budget[0])
+        self.run_steps: int | None = None  # the run's length, for budget_over_run (set_run_length)
         # Level l of the hierarchy is cut at threshold * growth**l.
         self.thresholds = [self.ctl.threshold * self.ctl.threshold_growth**lvl for lvl in range(self.ctl.depth)]
         # Controller state (all of it in state_dict).
@@ -63,6 +65,7 @@ class AdaptivePolicy(WindowPolicy):
         self.last_step: int | None = None
         self.decisions = 0
         self.last_coverage: Tensor | None = None
+        self.spend = RunSpend(self.table_cost(self.initial_table()))
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
@@ -115,30 +118,71 @@ class AdaptivePolicy(WindowPolicy):
         profiles = self.profiles(self.ema)
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         table = torch.empty(self.n_layer, self.n_head, dtype=torch.int32)
+        ceiling = self.ceiling(step)
+        inputs = []
         for layer in range(self.n_layer):
             z = feats.clustering_matrix(self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor)
             d = pairwise_distances(z, c.metric)
             level0 = self._level0(layer, d)
-            hierarchy = build_hierarchy(d, level0, self.thresholds[1:])
-            chosen = self.allocator(
+            inputs.append(
                 LayerInputs(
-                    hierarchy=hierarchy, profile=profiles[layer], features=self.ema[layer],
-                    candidates=self.candidates, seq_len=self.seq_len, coverage_target=c.coverage_target,
-                    parent_constraint=c.parent_constraint, costs=self.costs, budget=self.layer_budget, layer=layer,
+                    hierarchy=build_hierarchy(d, level0, self.thresholds[1:]), profile=profiles[layer],
+                    features=self.ema[layer], candidates=self.candidates, seq_len=self.seq_len,
+                    coverage_target=c.coverage_target, parent_constraint=c.parent_constraint, costs=self.costs,
+                    budget=None if ceiling is None else ceiling * self.n_head, layer=layer,
                 )
             )
-            if c.parent_constraint:
-                _check_parent_constraint(hierarchy, chosen)
-            for group, idx in zip(hierarchy.levels[0], chosen[0]):
-                table[layer, group] = cand[idx]
             self.partitions[layer] = level0
-            self.hierarchies[layer] = hierarchy
+        if c.budget_scope == "model":
+            chosen_all = allocate_model(inputs, self.budget[0], ceiling)
+        else:
+            chosen_all = [self.allocator(one) for one in inputs]
+        for layer, (one, chosen) in enumerate(zip(inputs, chosen_all)):
+            if c.parent_constraint:
+                _check_parent_constraint(one.hierarchy, chosen)
+            for group, idx in zip(one.hierarchy.levels[0], chosen[0]):
+                table[layer, group] = cand[idx]
+            self.hierarchies[layer] = one.hierarchy
             self.group_windows[layer] = [[self.candidates[i] for i in level] for level in chosen]
+        self.spend.record(step, self.table_cost(table))
         index = torch.searchsorted(cand, table)
         self.last_coverage = self.profiles(x).gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
         self.table, self.last_step = table, step
         self.decisions += 1
         return table.clone()
+
+    # -- budget ------------------------------------------------------------------------------------------------------
+    def table_cost(self, table: Tensor) -> float:
+        """Mean per-head cost of ``table`` in the budget's measure (ACR without a budget)."""
+        if self.budget is not None and self.budget[0] == "causal_coverage":
+            return float(metrics.causal_coverage(table, self.seq_len))
+        return float(metrics.acr(table, self.seq_len))
+
+    def ceiling(self, step: int) -> float | None:
+        """The per-head budget of the decision at ``step``: the target, or with ``budget_over_run`` what the rest of
+        the run may spend on average so that the run's mean meets the target."""
+        if self.budget is None:
+            return None
+        if not self.ctl.budget_over_run:
+            return self.budget[1]
+        return self.spend.ceiling(self.budget[1], step, self.run_steps, float(self.costs[0]))
+
+    def set_run_length(self, total_steps: int) -> None:
+        """The run's number of optimizer steps (the LightningModule calls this when training starts). With
+        ``budget_over_run``, a target the run cannot meet is an error now, before any step."""
+        self.run_steps = int(total_steps)
+        if self.budget is None or not self.ctl.budget_over_run or self.decisions:  # a resumed run was checked
+            return
+        measure, target = self.budget
+        w = min(self.ctl.warmup_steps, self.run_steps)
+        least = (self.spend.paid_before(w) + (self.run_steps - w) * float(self.costs[0])) / self.run_steps
+        if least > target + 1e-9:
+            name = "target_acr" if measure == "acr" else "target_causal_coverage"
+            raise ConfigError(
+                f"model.aah.controller.{name}={target!r} cannot be the mean over this run: {w} warmup steps at full "
+                f"context and the smallest candidate ({self.candidates[0]}) afterwards already average {least:.4f} over "
+                f"{self.run_steps} steps; lower warmup_steps, add a smaller candidate or raise the target"
+            )
 
     def _level0(self, layer: int, d: Tensor) -> Partition:
         c = self.ctl
@@ -189,6 +233,7 @@ class AdaptivePolicy(WindowPolicy):
             "partition_generator": self.partition_generator.get_state(),
             # Stateful allocators (``paper``: its fixed random networks) resume with the same weights.
             "allocator": self.allocator.state_dict() if hasattr(self.allocator, "state_dict") else {},
+            "spend": self.spend.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -217,6 +262,8 @@ class AdaptivePolicy(WindowPolicy):
         self.partition_generator.set_state(state["partition_generator"])
         if state.get("allocator") and hasattr(self.allocator, "load_state_dict"):
             self.allocator.load_state_dict(state["allocator"])
+        if "spend" in state:  # checkpoints written before budgets over the run: nothing was counted
+            self.spend.load_state_dict(state["spend"])
 
 
 def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> None:

@@ -1,0 +1,147 @@
+"""Compute budgets of the controller: the whole-model allocator and budgets that are a mean over the run.
+
+``budget_scope: model`` (``allocate_model``): one ceiling for the whole model instead of one per layer. Every level-0
+group g of every layer (``s_g`` heads, mass profile ``p_g`` = the mean of its heads' profiles) takes one candidate
+index ``j``; the choice maximises the kept attention mass counted over heads, ``sum_g s_g * p_g[j_g]``, subject to
+``sum_g s_g * cost[j_g] <= budget * n_layer * n_head``. This is a multiple-choice knapsack, solved exactly by dynamic
+programming over the integer total cost: a head's ACR cost is ``min(W, T) / T`` and its causal-coverage cost
+``pairs(W, T) / (T (T + 1) / 2)`` with an integer numerator, so costs are integers in units of their greatest common
+divisor (at T = 4096 with candidates T/8..T, a 16 x 12 model's budget is at most 1,536 units). Budgets above
+``MAX_UNITS`` units (causal coverage of large models) are solved on a coarser grid with every cost rounded *up*, so
+the choice still never exceeds the budget and loses at most one grid unit per group.
+
+A group never goes wider than the smallest candidate holding ``coverage_target`` of its mass, nor (with the parent
+constraint) wider than what its ancestors' profiles need - the caps the ``reach`` allocator applies top-down - so
+``coverage_target: 1.0`` spends the budget wherever mass is still gained. Upper-level groups only bound their
+children; each takes the widest window of its children, which satisfies the parent constraint by construction.
+
+``budget_over_run: true`` (``RunSpend``): the target is the mean over the whole training run, the full-context
+warmup included. Each decision's ceiling is what the remaining steps may still spend on average, given what the run
+has paid so far, so the run's mean lands on the target even though warmup paid full price and a decision may spend a
+little less than its ceiling.
+
+Deterministic CPU code (float64, exact ties to the cheaper candidate): every rank computes the same windows from the
+same rank-averaged profiles.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import numpy as np
+from torch import Tensor
+
+from aah_lightning.aah.controller.allocators import LayerInputs, needed_index
+
+# Above this many budget units the knapsack runs on a coarser grid (memory: one byte per unit and group).
+MAX_UNITS = 1 << 16
+
+
+def integer_costs(candidates: list[int], seq_len: int, measure: str) -> tuple[list[int], int]:
+    """Per-head cost of each candidate as an integer numerator, and the denominator of the normalised measure."""
+    clipped = [min(c, seq_len) for c in candidates]
+    if measure == "acr":
+        return clipped, seq_len
+    if measure == "causal_coverage":
+        return [w * (w + 1) // 2 + (seq_len - w) * w for w in clipped], seq_len * (seq_len + 1) // 2
+    raise ValueError(f"unknown budget measure {measure!r}")
+
+
+def group_caps(inputs: LayerInputs) -> list[int]:
+    """Widest candidate index each level-0 group may take: its own coverage-target index and, with the parent
+    constraint, that of every group above it."""
+    h = inputs.hierarchy
+    caps = [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in h.levels[0]]
+    if not inputs.parent_constraint:
+        return caps
+    owner = list(range(len(h.levels[0])))  # level-0 group -> its ancestor at the current level
+    for level in range(1, len(h.levels)):
+        parents = h.parents(level - 1)
+        owner = [parents[o] for o in owner]
+        need = [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in h.levels[level]]
+        caps = [min(c, need[o]) for c, o in zip(caps, owner)]
+    return caps
+
+
+def multiple_choice_knapsack(values: list[Tensor], weights: list[list[int]], capacity: int) -> list[int]:
+    """Exact: one item per group (``values[g][j]``, integer ``weights[g][j]``), total weight <= ``capacity``, the
+    largest total value; exact ties go to the first (cheaper) item. None of them fits: ``[0] * groups`` (the caller's
+    fallback). numpy, not torch: hundreds of small array operations, where torch's per-call overhead dominates."""
+    if sum(w[0] for w in weights) > capacity:
+        return [0] * len(values)
+    best = np.zeros(capacity + 1)  # best value with total weight <= b
+    columns = np.arange(capacity + 1)
+    choices = []
+    for v, w in zip(values, weights):
+        cand = np.full((len(w), capacity + 1), -np.inf)
+        for j, (vj, wj) in enumerate(zip(v.tolist(), w)):
+            if wj <= capacity:
+                cand[j, wj:] = best[: capacity + 1 - wj] + vj
+        pick = cand.argmax(0)  # the first maximum: the cheapest of equally good items
+        best = cand[pick, columns]
+        choices.append(pick.astype(np.int8))  # at most 127 candidates
+    out, b = [0] * len(values), capacity
+    for g in range(len(values) - 1, -1, -1):
+        out[g] = int(choices[g][b])
+        b -= weights[g][out[g]]
+    return out
+
+
+def allocate_model(layers: list[LayerInputs], measure: str, budget: float) -> list[list[list[int]]]:
+    """Candidate indices ``[layer][level][group]`` for every layer at once, under one model-wide ceiling ``budget``
+    (the mean per-head cost in ``measure``, e.g. a target ACR)."""
+    first = layers[0]
+    per_head, denominator = integer_costs(first.candidates, first.seq_len, measure)
+    n_heads = sum(inp.profile.shape[0] for inp in layers)
+    capacity = math.floor(budget * n_heads * denominator * (1 + 1e-12))  # the ceiling as an integer numerator
+    unit = reduce(math.gcd, per_head)
+    if capacity // unit > MAX_UNITS:
+        unit = -(-capacity // MAX_UNITS)
+    values, weights, owners = [], [], []
+    for layer, inp in enumerate(layers):
+        for g, (group, cap) in enumerate(zip(inp.hierarchy.levels[0], group_caps(inp))):
+            s = len(group)
+            values.append(s * inp.profile[group].mean(0)[: cap + 1])
+            weights.append([-(-s * c // unit) for c in per_head[: cap + 1]])  # rounded up: never over the budget
+            owners.append((layer, g))
+    picks = multiple_choice_knapsack(values, weights, capacity // unit)
+    chosen: list[list[list[int]]] = [[[0] * len(level) for level in inp.hierarchy.levels] for inp in layers]
+    for (layer, g), j in zip(owners, picks):
+        chosen[layer][0][g] = j
+    for layer, inp in enumerate(layers):  # upper levels: the widest child
+        h = inp.hierarchy
+        for level in range(1, len(h.levels)):
+            for child, parent in enumerate(h.parents(level - 1)):
+                chosen[layer][level][parent] = max(chosen[layer][level][parent], chosen[layer][level - 1][child])
+    return chosen
+
+
+class RunSpend:
+    """Compute a run has paid so far (per-head mean cost times steps), for budgets that are a mean over the run.
+
+    ``held`` is the cost of the table in force since step ``until``; the policy records every decision."""
+
+    def __init__(self, initial_cost: float):
+        self.paid, self.until, self.held = 0.0, 0, float(initial_cost)
+
+    def paid_before(self, step: int) -> float:
+        return self.paid + self.held * (step - self.until)
+
+    def ceiling(self, target: float, step: int, total_steps: int | None, floor: float) -> float:
+        """The mean cost the steps from ``step`` to ``total_steps`` may spend so that the run's mean is ``target``
+        (between ``floor``, the cheapest table, and 1). Without a known run length: ``target`` itself."""
+        if total_steps is None or total_steps <= step:
+            return target
+        left = (target * total_steps - self.paid_before(step)) / (total_steps - step)
+        return min(1.0, max(floor, left))
+
+    def record(self, step: int, cost: float) -> None:
+        """From ``step`` on, the table in force costs ``cost``."""
+        self.paid, self.until, self.held = self.paid_before(step), step, float(cost)
+
+    def state_dict(self) -> dict:
+        return {"paid": self.paid, "until": self.until, "held": self.held}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.paid, self.until, self.held = float(state["paid"]), int(state["until"]), float(state["held"])

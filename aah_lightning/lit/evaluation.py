@@ -1,0 +1,73 @@
+"""Evaluation that shows what windows cost: the loss by position in the sequence, and models at other lengths.
+
+* ``PositionLoss``: mean next-token loss per position bucket. Buckets are octaves, ``[0, 64)``, ``[64, 128)``,
+  ``[128, 256)``, ... up to the sequence length (the last one ends there). A head with window W changes nothing for
+  queries before position W, so a window's cost shows in the buckets from W on; evaluated at a longer sequence than
+  trained, the buckets past the trained length show how a model extrapolates. Logged as
+  ``val/loss_by_position/<first>-<last>`` (and ``test/...``), token-weighted, summed over ranks.
+* ``widen_full_windows``: a checkpoint evaluated (or trained on) at a longer sequence than it was trained on. A head
+  whose window was the whole trained context (W >= T) was trained to see everything, so it keeps the whole context
+  at the new length; shorter windows keep their size, and RoPE is computed for any length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+FIRST_EDGE = 64  # the first bucket is [0, 64); then one bucket per octave
+_SLOTS = 32  # buckets up to position 64 * 2**30: more than any sequence
+
+
+def bucket_of(positions: Tensor) -> Tensor:
+    """Bucket index of each position: 0 below ``FIRST_EDGE``, then 1 + the octave above it."""
+    octave = torch.floor(torch.log2(positions.clamp(min=1).to(torch.float64) / FIRST_EDGE)).long() + 1
+    return octave.clamp(min=0)
+
+
+def bucket_range(index: int, seq_len: int) -> tuple[int, int]:
+    """First and last position of bucket ``index`` in a sequence of ``seq_len`` tokens."""
+    lo = 0 if index == 0 else FIRST_EDGE << (index - 1)
+    return lo, min(FIRST_EDGE << index, seq_len) - 1
+
+
+class PositionLoss(Metric):
+    """Mean per-token loss in each position bucket, over every token seen (all ranks)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros(_SLOTS, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(_SLOTS, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("length", torch.zeros((), dtype=torch.long), dist_reduce_fx="max")
+
+    def update(self, token_losses: Tensor) -> None:
+        """``token_losses``: ``[B, T]``, the loss of predicting the token after each position."""
+        batch, seq_len = token_losses.shape
+        index = bucket_of(torch.arange(seq_len, device=token_losses.device))
+        self.total.index_add_(0, index, token_losses.detach().sum(0).to(torch.float64))
+        self.count.index_add_(0, index, torch.full((seq_len,), float(batch), dtype=torch.float64,
+                                                   device=token_losses.device))
+        self.length = torch.maximum(self.length, torch.tensor(seq_len, device=self.length.device))
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{"<first>-<last>": mean loss}`` for every bucket that saw a token."""
+        out = {}
+        for i in torch.nonzero(self.count).flatten().tolist():
+            lo, hi = bucket_range(i, int(self.length))
+            out[f"{lo}-{hi}"] = (self.total[i] / self.count[i]).float()
+        return out
+
+
+def widen_full_windows(checkpoint: dict, seq_len: int) -> None:
+    """In ``checkpoint`` (loaded for a model of sequence length ``seq_len``), give every head that saw the whole
+    trained context the whole context at ``seq_len`` too, if that is longer."""
+    trained = (checkpoint.get("hyper_parameters") or {}).get("seq_len")
+    state = checkpoint.get("state_dict")
+    if not trained or seq_len <= trained or state is None:
+        return
+    for key, table in state.items():
+        if key.replace("_orig_mod.", "") == "model.windows":
+            state[key] = torch.where(table >= trained, torch.full_like(table, seq_len), table)
