@@ -209,7 +209,7 @@ def test_integer_costs_are_the_measures_numerators():
 
 def test_random_windows_with_a_table_draw_its_exact_histogram():
     from aah_lightning.aah.config import AAHConfig
-    from aah_lightning.aah.policies import make_policy
+    from aah_lightning.aah.policy_base import make_policy
 
     table = [[8, 8, 16, 32], [4, 4, 8, 16]]
     policy = make_policy(AAHConfig(policy="random", table=table, redraw_interval=1, seed=3), 2, 4, 32)

@@ -14,7 +14,6 @@ from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.evaluation import PositionLoss, bucket_of, widen_full_windows
 from aah_lightning.lit.module import AAHModule
-from aah_lightning.model import gpt as gpt_module
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -80,14 +79,12 @@ def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
 
 
 def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tensor:
-    """The model's forward with every layer's attention replaced by the float64 reference of its windows."""
-    layers = iter(range(model.cfg.n_layer))
-
-    def attend(q, k, v, plan):
-        return reference_attention(q, k, v, model.windows[next(layers)].tolist()).to(q.dtype)
-
+    """The model's forward with every layer's plan replaced by the float64 reference of its windows."""
+    plans = [
+        lambda q, k, v, row=row: reference_attention(q, k, v, row).to(q.dtype) for row in model.windows.tolist()
+    ]
     with monkeypatch.context() as m:
-        m.setattr(gpt_module, "attend", attend)
+        m.setattr(model, "attention_plans", lambda *args, **kwargs: plans)
         return model(idx)
 
 
