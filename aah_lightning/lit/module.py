@@ -19,6 +19,7 @@ from aah_lightning.aah.policies import make_policy
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
 
 
@@ -124,6 +125,7 @@ class AAHModule(L.LightningModule):
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
+        self.generation = GenerationConfig()  # aah predict's settings: lit/generation.GenerationWriter sets them
 
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
@@ -175,6 +177,10 @@ class AAHModule(L.LightningModule):
         self.log("test/loss", loss)
         self.log("test/ppl", torch.exp(loss))
         self.test_loss.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list:
+        """Continue every prompt of the batch (data/prompts.py) with the per-head window KV cache."""
+        return generate(self.model, batch["tokens"], self.generation, batch["eod_id"], batch["index"])
 
     # -- optimisation ------------------------------------------------------------------------------------------------
     def parameter_groups(self) -> list[dict]:
