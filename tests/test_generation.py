@@ -181,4 +181,4 @@ def test_top_k_and_top_p_restrict_the_support():
 )
 def test_bad_settings(field, value, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
-        gen.GenerationConfig(**{field: value})
+        gen.GenerationConfig(**{field: value}).validate()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import runpy
 
 import pytest
 import torch
-from _cli_helpers import cli_error, tiny_config, train_tiny
+from _cli_helpers import REPO, cli_error, tiny_config, train_tiny
 from tb import read_events
 
 from aah_lightning.cli import main
@@ -44,7 +46,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config):
+def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, capsys):
     config = text_config()
     logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
               f"--trainer.logger.save_dir={tmp_path}/tb", "--sample.prompt=def ", "--sample.max_new_tokens=6"]
@@ -78,6 +80,15 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config):
     ids = [[256, *tok.encode(r["prompt"]).tolist()] for r in rows]
     direct = generate(module.model.eval(), ids[1:], GenerationConfig(max_new_tokens=7, temperature=0), 256)
     assert tok.decode(direct[0].tokens) == rows[1]["completion"]
+
+    # The quick form: same checkpoint, same greedy continuation; a bad setting is one line and exit code 2.
+    quick = runpy.run_path(os.path.join(REPO, "tools", "generate.py"))["main"]
+    capsys.readouterr()
+    assert quick([f"{tmp_path}/ckpts/last.ckpt", "--prompt", "def add(", "--max-new-tokens=7", "--temperature=0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "def add(" + rows[0]["completion"] + "\n" and "KV cache" in err
+    assert quick([f"{tmp_path}/ckpts/last.ckpt", "--top-p=0"]) == 2
+    assert capsys.readouterr().err.strip() == "generate: error: --top-p=0.0 is not allowed: in (0, 1] (1 = off)"
 
 
 def test_jsonl_prompts_hf_tokenizer_and_long_prompts(tmp_path, text_config):

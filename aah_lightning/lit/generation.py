@@ -90,6 +90,7 @@ class GenerationWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         self.output = output
         self.settings = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, stop_at_eod)
+        self.settings.validate()
         self._rows: list[dict] = []
 
     def setup(self, trainer, pl_module, stage: str) -> None:

@@ -56,16 +56,14 @@ class GenerationConfig:
     seed: int = 0
     stop_at_eod: bool = True
 
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self, prefix: str = "generate") -> None:
+    def validate(self, name=lambda field: f"generate.{field}") -> None:
+        """Raise ``ConfigError`` for a bad setting; ``name`` spells a field as the user wrote it."""
         n = self.max_new_tokens
-        require(isinstance(n, int) and n > 0, f"{prefix}.max_new_tokens", n, "a positive integer")
-        require(self.temperature >= 0, f"{prefix}.temperature", self.temperature, ">= 0 (0 = greedy)")
-        require(isinstance(self.top_k, int) and self.top_k >= 0, f"{prefix}.top_k", self.top_k, ">= 0 (0 = off)")
-        require(0 < self.top_p <= 1, f"{prefix}.top_p", self.top_p, "in (0, 1] (1 = off)")
-        require(isinstance(self.seed, int), f"{prefix}.seed", self.seed, "an integer")
+        require(isinstance(n, int) and n > 0, name("max_new_tokens"), n, "a positive integer")
+        require(self.temperature >= 0, name("temperature"), self.temperature, ">= 0 (0 = greedy)")
+        require(isinstance(self.top_k, int) and self.top_k >= 0, name("top_k"), self.top_k, ">= 0 (0 = off)")
+        require(0 < self.top_p <= 1, name("top_p"), self.top_p, "in (0, 1] (1 = off)")
+        require(isinstance(self.seed, int), name("seed"), self.seed, "an integer")
 
 
 # -- the cache -----------------------------------------------------------------------------------------------------------
