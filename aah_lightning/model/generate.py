@@ -7,8 +7,8 @@ Heads of a layer with the same slot count share one ``[B, heads, S, D]`` tensor 
 
 * **Prefill** runs the model's own forward (and so the training backends) over the prompts, right-padded to a common
   length: causal attention never lets a real token see the padding after it, so every row's logits are exact. Each
-  layer's keys and values after RoPE arrive through the attention module's ``capture`` hook and are copied straight
-  into the ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s``.
+  layer's keys and values after RoPE arrive through the attention module's ``capture`` hook and are copied into the
+  ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s``.
 * **Decode** feeds one token per row at that row's own absolute position (rows may have prompts of different
   lengths) and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
   ``s``; every filled slot lies within the head's window because ``S <= W``.
@@ -154,18 +154,6 @@ class WindowKVCache:
         self.min_position += 1
 
 
-class _PrefillSink:
-    """Stands in for the attention module's capture list: each layer's (q, k, v) after RoPE goes straight into the
-    cache, so no layer's keys outlive the layer."""
-
-    def __init__(self, cache: WindowKVCache, layer: int, lengths: Tensor):
-        self.cache, self.layer, self.lengths = cache, layer, lengths
-
-    def append(self, qkv) -> None:
-        _, k, v = qkv
-        self.cache.fill(self.layer, k, v, self.lengths)
-
-
 # -- prefill and decode --------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCache, Tensor]:
@@ -184,13 +172,17 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
     lengths = torch.tensor(lengths_list, device=device)
     cache = WindowKVCache(model, B, longest + max_new_tokens)
     attns = [block.attn for block in model.blocks]
-    for layer, attn in enumerate(attns):
-        attn.capture = _PrefillSink(cache, layer, lengths)
+    captured: list[list] = [[] for _ in attns]  # a plain list: the capture hook also runs inside compiled blocks
+    for attn, store in zip(attns, captured):
+        attn.capture = store
     try:
         logits = model(tokens)
     finally:
         for attn in attns:
             attn.capture = None
+    for layer, store in enumerate(captured):
+        _, k, v = store[0]
+        cache.fill(layer, k, v, lengths)
     cache.positions = lengths.clone()
     cache.min_position = min(lengths_list)
     return cache, logits[torch.arange(B, device=device), lengths - 1]

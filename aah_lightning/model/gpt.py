@@ -55,8 +55,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scaled = True
-        # When set to a list (or anything with append), forward appends (q, k, v) after RoPE, detached: the AAH probe
-        # reads them, and generation fills its KV cache from them (model/generate.py).
+        # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them, and generation
+        # fills its KV cache from them (model/generate.py).
         self.capture: list | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
