@@ -3,8 +3,8 @@
 ``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``); ``aah predict --config X.yaml
 --ckpt_path C --data.prompts P --generate.output O`` writes completions (docs/generation.md). Settings the user gives
 once are linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the
-run with one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run saves
-checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
+run with one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run
+saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
 """
 
 from __future__ import annotations

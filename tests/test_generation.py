@@ -157,10 +157,11 @@ def test_sampling_is_seeded_per_prompt():
 
 
 def test_top_k_and_top_p_restrict_the_support():
-    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(1, 1)
-    draws = lambda cfg: {  # noqa: E731
-        gen.sample(logits, cfg, [gen.row_generator(cfg.seed, i, "cpu")]).item() for i in range(300)
-    }
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+
+    def draws(cfg):
+        return {gen.sample(logits, cfg, [gen.row_generator(cfg.seed, i, "cpu")]).item() for i in range(300)}
+
     assert draws(gen.GenerationConfig(temperature=1.0, top_k=2)) == {0, 1}
     probs = torch.softmax(logits[0], -1)  # 0.64, 0.24, 0.09, ...: 0.64 + 0.24 reaches 0.85
     assert probs[:2].sum() > 0.85 > probs[0]

@@ -20,15 +20,14 @@ import datetime
 import os
 import shlex
 import sys
-
 import time
 
-import torch
-
 import bench  # tools/bench.py, next to this file
+import torch
+from bench import SUMMARY, aah_table, check, emit, fmt, machine, md_table, med, small_model, timeit
+
 from aah_lightning.aah import metrics
 from aah_lightning.model import generate as gen
-from bench import SUMMARY, aah_table, check, emit, fmt, machine, md_table, med, small_model, timeit
 
 
 def variant_models(seq_len: int) -> dict:

@@ -27,7 +27,7 @@ def read_prompts(path, setting: str = "data.prompts") -> list[str]:
         raise ConfigError(f"{setting} is not set: aah predict needs a prompts file (one prompt per line, or JSONL with "
                           f"a 'prompt' field)")
     if not os.path.isfile(path):
-        raise ConfigError(f"{setting}={str(path)!r} does not exist: pass a prompts file (one prompt per line, or JSONL)")
+        raise ConfigError(f"{setting}={str(path)!r} does not exist: pass a prompts file (a prompt per line, or JSONL)")
     with open(path, encoding="utf-8") as f:
         lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(f, start=1) if line.strip()]
     prompts = []

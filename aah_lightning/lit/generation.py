@@ -31,7 +31,7 @@ def check_writable(path: str, setting: str = "generate.output") -> None:
     """``path`` can be written: its folder exists and takes a new file, and it is not a folder itself."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ConfigError(f"{setting}={path!r} is a folder: name a file to write, e.g. {os.path.join(path, 'out.jsonl')}")
+        raise ConfigError(f"{setting}={path!r} is a folder: name a file to write, e.g. {os.path.join(path, 'a.jsonl')}")
     if not os.path.isdir(folder):
         raise ConfigError(f"{setting}={path!r} cannot be written: the folder {folder} does not exist")
     try:
@@ -152,7 +152,7 @@ class ValidationSample(L.Callback):
         model = pl_module.model
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
             if not self._skipped:  # FSDP2 shards the weights: one rank alone cannot run the model
-                rank_zero_warn("val/sample is not logged under FSDP2 (sharded weights); sample.enabled=false hides this")
+                rank_zero_warn("val/sample is not logged under FSDP2 (sharded weights); sample.enabled=false hides it")
                 self._skipped = True
             return
         ids, _ = encode_prompt(self.prompt, tokenizer, pl_module.hparams.seq_len)

@@ -66,7 +66,7 @@ class GenerationConfig:
         require(isinstance(self.seed, int), name("seed"), self.seed, "an integer")
 
 
-# -- the cache -----------------------------------------------------------------------------------------------------------
+# -- the cache ---------------------------------------------------------------------------------------------------------
 @dataclass
 class _Group:
     """Heads of one layer that share a slot count: their ring buffers ``k``, ``v`` ``[B, heads, S, D]``."""
@@ -88,7 +88,9 @@ def cache_bytes(windows, max_len: int, head_dim: int, batch: int = 1, dtype=torc
     return sum(map(sum, slot_counts(windows, max_len))) * head_dim * 2 * size * batch
 
 
-def full_cache_bytes(n_layer: int, n_head: int, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32) -> int:
+def full_cache_bytes(
+    n_layer: int, n_head: int, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32
+) -> int:
     """Bytes of a cache that keeps every position for every head (what a model without windows needs)."""
     return n_layer * n_head * max_len * head_dim * 2 * torch.empty(0, dtype=dtype).element_size() * batch
 
@@ -154,7 +156,7 @@ class WindowKVCache:
         self.min_position += 1
 
 
-# -- prefill and decode --------------------------------------------------------------------------------------------------
+# -- prefill and decode ------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCache, Tensor]:
     """Run the prompts (lists of token ids, each non-empty) through the model's forward, filling a new cache.
@@ -209,7 +211,7 @@ def decode_step(model: GPT, cache: WindowKVCache, tokens: Tensor) -> Tensor:
     return model.lm_head(model.ln_f(x))[:, 0]
 
 
-# -- sampling ------------------------------------------------------------------------------------------------------------
+# -- sampling ----------------------------------------------------------------------------------------------------------
 def row_generator(seed: int, index: int, device) -> torch.Generator:
     """The sampling generator of prompt ``index``: independent streams for every (seed, prompt) pair."""
     state = int(np.random.SeedSequence([seed, index]).generate_state(1, dtype=np.uint64)[0])
