@@ -121,12 +121,20 @@ class WindowKVCache:
 
     def fill(self, layer: int, k: Tensor, v: Tensor, lengths: Tensor) -> None:
         """Store a prefill's keys and values ``[B, H, L, D]`` (rows valid up to ``lengths``) in the ring buffers."""
-        B, _, _, D = k.shape
+        B, _, L, D = k.shape
         last = lengths.view(B, 1) - 1
+        longest = int(lengths.max())
         for g in self.layers[layer]:
+            kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
+            if g.slots >= longest:
+                # No row wraps: slot s holds position s, a plain copy. Slots past a row's length hold padding or
+                # zeros (finite: a masked slot must not turn the softmax into NaN) until decoding writes them.
+                n = min(g.slots, L)
+                g.k, g.v = (x.new_zeros(B, x.shape[1], g.slots, D) for x in (kg, vg))
+                g.k[:, :, :n], g.v[:, :, :n] = kg[:, :, :n], vg[:, :, :n]
+                continue
             s = torch.arange(g.slots, device=k.device)
             newest = last - torch.remainder(last - s, g.slots)  # [B, S]; negative: the row never reached slot s
-            kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
             index = newest.clamp(min=0).view(B, 1, g.slots, 1).expand(B, kg.shape[1], g.slots, D)
             g.k, g.v = torch.gather(kg, 2, index), torch.gather(vg, 2, index)
 
@@ -178,7 +186,7 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
     for attn, store in zip(attns, captured):
         attn.capture = store
     try:
-        logits = model(tokens)
+        logits = model(tokens, at=lengths - 1)
     finally:
         for attn in attns:
             attn.capture = None
@@ -187,7 +195,7 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
         cache.fill(layer, k, v, lengths)
     cache.positions = lengths.clone()
     cache.min_position = min(lengths_list)
-    return cache, logits[torch.arange(B, device=device), lengths - 1]
+    return cache, logits
 
 
 @torch.no_grad()

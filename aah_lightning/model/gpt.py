@@ -136,15 +136,20 @@ class GPT(nn.Module):
         docs = doc_ids if self.cfg.document_mask else None
         return self.planner.plans(self.windows, seq_len, name, docs)
 
-    def forward(self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None) -> Tensor:
+    def forward(
+        self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None, at: Tensor | None = None
+    ) -> Tensor:
         """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. ``doc_ids`` (``[B, T]``) only matter with
-        ``document_mask``."""
+        ``document_mask``. ``at`` (``[B]`` positions): only the logits there, ``[B, vocab]`` (generation's prefill
+        needs one position per row, and the output layer is the costliest matmul of a large vocabulary)."""
         T = idx.shape[1]
         plans = self.attention_plans(T, doc_ids, backend)
         x = self.wte(idx)
         cos, sin = self.rotary(T, x.device, torch.float32)
         for block, plan in zip(self.blocks, plans):
             x = block(x, cos, sin, plan)
+        if at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), at]
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:
