@@ -58,6 +58,7 @@ def section(T: int, args) -> str:
 
     def prefill(name):
         def run():
+            caches.pop(name, None)  # free the previous cache first, as a fresh generation would have it
             caches[name] = gen.prefill(models[name], prompts, steps)[0]  # the last one is decoded from
 
         return run
