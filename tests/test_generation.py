@@ -183,3 +183,17 @@ def test_top_k_and_top_p_restrict_the_support():
 def test_bad_settings(field, value, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         gen.GenerationConfig(**{field: value}).validate()
+
+
+@pytest.mark.heavy  # an end-to-end tool run in a subprocess
+def test_decode_benchmark_runs_on_tiny_shapes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    args = ["--contexts", "64", "--batch", "2", "--repeats", "1", "--prefill-repeats", "1", "--threads", "1"]
+    out = subprocess.run([sys.executable, str(repo / "tools" / "bench_decode.py"), *args], capture_output=True,
+                         text=True, check=True, cwd=repo).stdout
+    assert "| 64 | full |" in out and "| 64 | AAH |" in out
+    assert "AAH cache / full cache == sum min(W, T) / (H T) exactly, T=64 | 0.2969 vs 0.2969 | met" in out
