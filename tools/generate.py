@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     out = gen.generate(model, [ids], cfg, tok.eos_id)[0]
     seconds = time.perf_counter() - start
-    print(args.prompt + tok.decode(out.tokens))
+    print(args.prompt + tok.decode(out.tokens), flush=True)
     total = len(ids) + cfg.max_new_tokens
     c = model.cfg
     cache = gen.cache_bytes(model.windows.tolist(), total, c.head_dim, dtype=next(model.parameters()).dtype)
