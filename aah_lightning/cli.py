@@ -1,9 +1,10 @@
 """The ``aah`` command: a LightningCLI over AAHModule and TextDataModule.
 
-``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``). Settings the user gives once are
-linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the run with
-one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run saves
-checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
+``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``); ``aah predict --config X.yaml
+--ckpt_path C --data.prompts P --generate.output O`` writes completions (docs/generation.md). Settings the user gives
+once are linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the
+run with one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run
+saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from aah_lightning import validation
+from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.lit.callbacks import Throughput
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group
+from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
 
@@ -88,6 +91,8 @@ class AAHCLI(LightningCLI):
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(WindowDiagnostics, "diagnostics")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
+        parser.add_lightning_class_args(ValidationSample, "sample")
+        parser.add_lightning_class_args(GenerationWriter, "generate")
         parser.set_defaults(
             {
                 "trainer.logger": {
@@ -161,6 +166,7 @@ class AAHCLI(LightningCLI):
         self._preflight("test")
 
     def before_predict(self) -> None:
+        read_prompts(self.datamodule.hparams.prompts)  # a missing or empty prompts file, before the checkpoint is read
         self._preflight("predict")
 
 

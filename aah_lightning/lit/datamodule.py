@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from aah_lightning.data import corpora
 from aah_lightning.data.packing import EndlessSampler, PackedBlocks, concatenate, pack_stream
+from aah_lightning.data.prompts import prompt_loader
 from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
@@ -122,6 +123,7 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 1234,
         cache_dir: Optional[str] = None,
+        prompts: Optional[str] = None,
     ):
         """
         Args:
@@ -143,6 +145,7 @@ class TextDataModule(L.LightningDataModule):
             num_workers: DataLoader workers.
             seed: seeds the document order, the split and the training order.
             cache_dir: Hugging Face datasets cache for source=files.
+            prompts: aah predict's prompts: a text file (one prompt per line) or JSONL with a 'prompt' field.
         """
         super().__init__()
         require(source in SOURCES, "data.source", source, f"one of {', '.join(SOURCES)}")
@@ -189,7 +192,7 @@ class TextDataModule(L.LightningDataModule):
         return [self.tokenizer.encode(t) for t in texts]
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
+        if self.train_set is not None or stage == "predict":  # predict reads only the prompts
             return
         hp = self.hparams
         if hp.source == "hub":
@@ -302,6 +305,10 @@ class TextDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return prompt_loader(hp.prompts, self.tokenizer, hp.seq_len, hp.batch_size, *self._rank_world())
 
     # -- the data position in checkpoints ---------------------------------------------------------------------------
     def _layout(self) -> dict:

@@ -22,6 +22,7 @@ from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.lit.evaluation import PositionLoss, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
+from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
 
 
@@ -122,6 +123,7 @@ class AAHModule(L.LightningModule):
         self._prepared = False
         self._rng_to_restore = None
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
+        self.generation = GenerationConfig()  # aah predict's settings: lit/generation.GenerationWriter sets them
 
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
@@ -196,6 +198,10 @@ class AAHModule(L.LightningModule):
         self.test_loss.reset()
         self.log_dict({f"test/loss_by_position/{k}": v for k, v in self.test_position_loss.compute().items()})
         self.test_position_loss.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list:
+        """Continue every prompt of the batch (data/prompts.py) with the per-head window KV cache."""
+        return generate(self.model, batch["tokens"], self.generation, batch["eod_id"], batch["index"])
 
     # -- optimisation ------------------------------------------------------------------------------------------------
     def parameter_groups(self) -> list[dict]:

@@ -55,7 +55,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scaled = True
-        # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them.
+        # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them, and generation
+        # fills its KV cache from them (model/generate.py).
         self.capture: list | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
@@ -135,15 +136,20 @@ class GPT(nn.Module):
         docs = doc_ids if self.cfg.document_mask else None
         return self.planner.plans(self.windows, seq_len, name, docs)
 
-    def forward(self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None) -> Tensor:
+    def forward(
+        self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None, at: Tensor | None = None
+    ) -> Tensor:
         """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. ``doc_ids`` (``[B, T]``) only matter with
-        ``document_mask``."""
+        ``document_mask``. ``at`` (``[B]`` positions): only the logits there, ``[B, vocab]`` (generation's prefill
+        needs one position per row, and the output layer is the costliest matmul of a large vocabulary)."""
         T = idx.shape[1]
         plans = self.attention_plans(T, doc_ids, backend)
         x = self.wte(idx)
         cos, sin = self.rotary(T, x.device, torch.float32)
         for block, plan in zip(self.blocks, plans):
             x = block(x, cos, sin, plan)
+        if at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), at]
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:

@@ -1,0 +1,277 @@
+"""Text generation with a per-head window KV cache: prefill, one-token decode steps, sampling.
+
+A head with window ``W`` never attends to a key more than ``W - 1`` positions back, so its cache is a ring buffer of
+``S = min(W, max_len)`` slots (``max_len``: the longest prompt plus ``max_new_tokens``): the key of position ``p``
+lives in slot ``p % S``. Keys are stored after RoPE at their absolute positions, so a cached key never changes.
+Heads of a layer with the same slot count share one ``[B, heads, S, D]`` tensor (one attention call per group).
+
+* **Prefill** runs the model's own forward (and so the training backends) over the prompts, right-padded to a common
+  length: causal attention never lets a real token see the padding after it, so every row's logits are exact. Each
+  layer's keys and values after RoPE arrive through the attention module's ``capture`` hook and are copied into the
+  ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s``.
+* **Decode** feeds one token per row at that row's own absolute position (rows may have prompts of different
+  lengths) and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
+  ``s``; every filled slot lies within the head's window because ``S <= W``.
+
+Past the trained ``seq_len`` nothing changes: windowed heads keep sliding, and full-window heads (``W = seq_len``)
+slide too, at ``seq_len`` - exactly what one forward pass over the whole text computes with the same window table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aah_lightning.errors import require
+from aah_lightning.model.gpt import GPT, apply_rotary
+
+# The prefill length is rounded up to a multiple of this, so that batches of similar prompts reuse one attention plan
+# (and, on a GPU, one compiled FlexAttention kernel).
+PREFILL_MULTIPLE = 64
+
+
+@dataclass
+class GenerationConfig:
+    """How to continue a prompt.
+
+    Args:
+        max_new_tokens: tokens to generate per prompt (fewer when it ends its document first).
+        temperature: softmax temperature; 0 = greedy (the most likely token, no randomness).
+        top_k: sample among the k most likely tokens only; 0 = no limit.
+        top_p: nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p; 1 = all.
+        seed: sampling seed; prompt ``i`` draws from its own generator seeded by ``(seed, i)``, so a prompt's
+            completion does not depend on the batch or rank it lands on.
+        stop_at_eod: stop a prompt's generation at the end-of-document token (not part of the completion).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eod: bool = True
+
+    def validate(self, name=lambda field: f"generate.{field}") -> None:
+        """Raise ``ConfigError`` for a bad setting; ``name`` spells a field as the user wrote it."""
+        n = self.max_new_tokens
+        require(isinstance(n, int) and n > 0, name("max_new_tokens"), n, "a positive integer")
+        require(self.temperature >= 0, name("temperature"), self.temperature, ">= 0 (0 = greedy)")
+        require(isinstance(self.top_k, int) and self.top_k >= 0, name("top_k"), self.top_k, ">= 0 (0 = off)")
+        require(0 < self.top_p <= 1, name("top_p"), self.top_p, "in (0, 1] (1 = off)")
+        require(isinstance(self.seed, int), name("seed"), self.seed, "an integer")
+
+
+# -- the cache ---------------------------------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """Heads of one layer that share a slot count: their ring buffers ``k``, ``v`` ``[B, heads, S, D]``."""
+
+    heads: Tensor | None  # the layer's heads in this group; None = all of them, in order
+    slots: int
+    k: Tensor | None = None
+    v: Tensor | None = None
+
+
+def slot_counts(windows, max_len: int) -> list[list[int]]:
+    """Ring-buffer slots per layer and head: ``min(W, max_len)``."""
+    return [[min(int(w), max_len) for w in row] for row in windows]
+
+
+def cache_bytes(windows, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32) -> int:
+    """Bytes of the window cache: sum over layers and heads of ``min(W, T)`` x D x 2 (keys, values) x dtype size."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(map(sum, slot_counts(windows, max_len))) * head_dim * 2 * size * batch
+
+
+def full_cache_bytes(
+    n_layer: int, n_head: int, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32
+) -> int:
+    """Bytes of a cache that keeps every position for every head (what a model without windows needs)."""
+    return n_layer * n_head * max_len * head_dim * 2 * torch.empty(0, dtype=dtype).element_size() * batch
+
+
+class WindowKVCache:
+    """Per layer, ring buffers of keys and values (after RoPE) for each group of heads with the same slot count."""
+
+    def __init__(self, model: GPT, batch: int, max_len: int):
+        self.batch, self.max_len = batch, max_len
+        self.slots = slot_counts(model.planner.rows(model.windows), max_len)
+        device = model.windows.device
+        self.layers: list[list[_Group]] = []
+        for row in self.slots:
+            groups = []
+            for s in sorted(set(row)):
+                heads = [h for h, x in enumerate(row) if x == s]
+                index = None if len(heads) == len(row) else torch.tensor(heads, device=device)
+                groups.append(_Group(index, s))
+            self.layers.append(groups)
+        # RoPE at every position this generation can reach, from the model's own table.
+        self.cos, self.sin = model.rotary(max_len, device, torch.float32)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # next position, per row
+        self.min_position = 0  # host copy of positions.min(): decides whether every slot is filled
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for groups in self.layers for g in groups for x in (g.k, g.v) if x is not None)
+
+    def fill(self, layer: int, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+        """Store a prefill's keys and values ``[B, H, L, D]`` (rows valid up to ``lengths``) in the ring buffers."""
+        B, _, L, D = k.shape
+        last = lengths.view(B, 1) - 1
+        longest = int(lengths.max())
+        for g in self.layers[layer]:
+            kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
+            if g.slots >= longest:
+                # No row wraps: slot s holds position s, a plain copy. Slots past a row's length hold padding or
+                # zeros (finite: a masked slot must not turn the softmax into NaN) until decoding writes them.
+                n = min(g.slots, L)
+                g.k, g.v = (x.new_zeros(B, x.shape[1], g.slots, D) for x in (kg, vg))
+                g.k[:, :, :n], g.v[:, :, :n] = kg[:, :, :n], vg[:, :, :n]
+                continue
+            s = torch.arange(g.slots, device=k.device)
+            newest = last - torch.remainder(last - s, g.slots)  # [B, S]; negative: the row never reached slot s
+            index = newest.clamp(min=0).view(B, 1, g.slots, 1).expand(B, kg.shape[1], g.slots, D)
+            g.k, g.v = torch.gather(kg, 2, index), torch.gather(vg, 2, index)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write this step's keys and values ``[B, H, 1, D]`` at each row's position, then attend each head over its
+        own slots: ``[B, H, 1, D]``."""
+        B = q.shape[0]
+        rows = torch.arange(B, device=q.device)
+        groups = self.layers[layer]
+        out = None if len(groups) == 1 else torch.empty_like(q)
+        for g in groups:
+            qg, kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (q, k, v))
+            slot = torch.remainder(self.positions, g.slots)
+            g.k[rows, :, slot] = kg[:, :, 0]
+            g.v[rows, :, slot] = vg[:, :, 0]
+            mask = None
+            if self.min_position < g.slots - 1:  # some row has not filled every slot yet
+                mask = (torch.arange(g.slots, device=q.device) <= self.positions.view(B, 1)).view(B, 1, 1, g.slots)
+            y = F.scaled_dot_product_attention(qg, g.k, g.v, attn_mask=mask)
+            if out is None:
+                return y
+            out.index_copy_(1, g.heads, y)
+        return out
+
+    def advance(self) -> None:
+        self.positions += 1
+        self.min_position += 1
+
+
+# -- prefill and decode ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCache, Tensor]:
+    """Run the prompts (lists of token ids, each non-empty) through the model's forward, filling a new cache.
+    Returns the cache and each row's logits after its last prompt token ``[B, vocab]``."""
+    lengths_list = [len(p) for p in prompts]
+    if min(lengths_list, default=0) < 1:
+        raise ValueError("every prompt needs at least one token")
+    device = model.windows.device
+    B, longest = len(prompts), max(lengths_list)
+    padded = -(-longest // PREFILL_MULTIPLE) * PREFILL_MULTIPLE
+    tokens = torch.zeros(B, padded, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+    tokens = tokens.to(device)
+    lengths = torch.tensor(lengths_list, device=device)
+    cache = WindowKVCache(model, B, longest + max_new_tokens)
+    attns = [block.attn for block in model.blocks]
+    captured: list[list] = [[] for _ in attns]  # a plain list: the capture hook also runs inside compiled blocks
+    for attn, store in zip(attns, captured):
+        attn.capture = store
+    try:
+        logits = model(tokens, at=lengths - 1)
+    finally:
+        for attn in attns:
+            attn.capture = None
+    for layer, store in enumerate(captured):
+        _, k, v = store[0]
+        cache.fill(layer, k, v, lengths)
+    cache.positions = lengths.clone()
+    cache.min_position = min(lengths_list)
+    return cache, logits
+
+
+@torch.no_grad()
+def decode_step(model: GPT, cache: WindowKVCache, tokens: Tensor) -> Tensor:
+    """Feed one token per row (``[B]``) at each row's next position; returns the logits after it ``[B, vocab]``.
+
+    The same computation as ``GPT.forward`` for one position, with attention over the ring buffers."""
+    x = model.wte(tokens).unsqueeze(1)  # [B, 1, C]
+    B, _, C = x.shape
+    cos = cache.cos[cache.positions].view(B, 1, 1, -1)
+    sin = cache.sin[cache.positions].view(B, 1, 1, -1)
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        q, k, v = attn.qkv(block.ln1(x)).view(B, 1, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4)
+        c, s = cos.to(q.dtype), sin.to(q.dtype)
+        q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
+        y = cache.attend(layer, q, k, v)
+        x = x + attn.proj(y.transpose(1, 2).reshape(B, 1, C))
+        x = x + block.mlp(block.ln2(x))
+    cache.advance()
+    return model.lm_head(model.ln_f(x))[:, 0]
+
+
+# -- sampling ----------------------------------------------------------------------------------------------------------
+def row_generator(seed: int, index: int, device) -> torch.Generator:
+    """The sampling generator of prompt ``index``: independent streams for every (seed, prompt) pair."""
+    state = int(np.random.SeedSequence([seed, index]).generate_state(1, dtype=np.uint64)[0])
+    return torch.Generator(device=device).manual_seed(state)
+
+
+def sample(logits: Tensor, cfg: GenerationConfig, generators: list[torch.Generator] | None) -> Tensor:
+    """Next token per row ``[B]`` from logits ``[B, vocab]``: greedy at temperature 0, else temperature, top-k and
+    top-p (nucleus) sampling, row ``b`` drawing from ``generators[b]``."""
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k:
+        kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens: the first token is always kept
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(before >= cfg.top_p, 0.0))
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+
+
+@dataclass
+class Completion:
+    tokens: list[int]  # the generated tokens, without the end-of-document token
+    stop: str  # "eod": the model ended the document; "length": max_new_tokens reached
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompts: list, cfg: GenerationConfig, eod_id: int | None = None, indices: list[int] | None = None
+) -> list[Completion]:
+    """Continue each prompt (a list of token ids). ``indices``: the prompts' numbers, which seed their sampling
+    (default 0, 1, ...). Rows that stop early ride along until every row has stopped."""
+    cache, logits = prefill(model, prompts, cfg.max_new_tokens)
+    indices = list(range(len(prompts))) if indices is None else indices
+    generators = None
+    if cfg.temperature > 0:
+        generators = [row_generator(cfg.seed, i, logits.device) for i in indices]
+    out: list[list[int]] = [[] for _ in prompts]
+    stop = ["length"] * len(prompts)
+    for step in range(cfg.max_new_tokens):
+        nxt = sample(logits, cfg, generators)
+        for b, t in enumerate(nxt.tolist()):
+            if stop[b] == "eod":
+                continue
+            if cfg.stop_at_eod and t == eod_id:
+                stop[b] = "eod"
+            else:
+                out[b].append(t)
+        if step == cfg.max_new_tokens - 1 or all(s == "eod" for s in stop):
+            break
+        logits = decode_step(model, cache, nxt)
+    return [Completion(o, s) for o, s in zip(out, stop)]
