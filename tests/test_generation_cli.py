@@ -75,8 +75,7 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
     from aah_lightning.model.generate import GenerationConfig, generate
 
     ckpt = torch.load(f"{tmp_path}/ckpts/last.ckpt", weights_only=True)
-    module = AAHModule(**ckpt["hyper_parameters"])
-    module.load_state_dict(ckpt["state_dict"])
+    module = AAHModule.from_checkpoint(ckpt)
     ids = [[256, *tok.encode(r["prompt"]).tolist()] for r in rows]
     direct = generate(module.model.eval(), ids[1:], GenerationConfig(max_new_tokens=7, temperature=0), 256)
     assert tok.decode(direct[0].tokens) == rows[1]["completion"]

@@ -35,9 +35,7 @@ def load(path: str, tokenizer: str | None, device: str, weights_only: bool):
     if tok.vocab_size > hp["vocab_size"]:
         raise ConfigError(f"--tokenizer {spec!r} has {tok.vocab_size} ids, the checkpoint's model {hp['vocab_size']}: "
                           f"use the tokenizer the model was trained with")
-    module = AAHModule(**hp)
-    module.load_state_dict(ckpt["state_dict"])
-    return module.model.to(device).eval(), tok
+    return AAHModule.from_checkpoint(ckpt).model.to(device).eval(), tok
 
 
 def main(argv=None) -> int:

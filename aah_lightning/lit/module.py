@@ -125,6 +125,15 @@ class AAHModule(L.LightningModule):
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
         self.generation = GenerationConfig()  # aah predict's settings: lit/generation.GenerationWriter sets them
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict) -> AAHModule:
+        """The module of a loaded checkpoint: built from its hyperparameters (without Lightning's own private keys
+        such as ``_instantiator``), then given its weights and window table."""
+        hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+        module = cls(**hparams)
+        module.load_state_dict(checkpoint["state_dict"])
+        return module
+
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
         if self._prepared:
