@@ -8,7 +8,7 @@ Heads of a layer with the same slot count share one ``[B, heads, S, D]`` tensor 
 * **Prefill** runs the model's own forward (and so the training backends) over the prompts, right-padded to a common
   length: causal attention never lets a real token see the padding after it, so every row's logits are exact. Each
   layer's keys and values after RoPE arrive through the attention module's ``capture`` hook and are copied into the
-  ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s``.
+  ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s`` (two slice copies).
 * **Decode** feeds one token per row at that row's own absolute position (rows may have prompts of different
   lengths) and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
   ``s``; every filled slot lies within the head's window because ``S <= W``.
@@ -119,24 +119,26 @@ class WindowKVCache:
     def nbytes(self) -> int:
         return sum(x.nbytes for groups in self.layers for g in groups for x in (g.k, g.v) if x is not None)
 
-    def fill(self, layer: int, k: Tensor, v: Tensor, lengths: Tensor) -> None:
-        """Store a prefill's keys and values ``[B, H, L, D]`` (rows valid up to ``lengths``) in the ring buffers."""
-        B, _, L, D = k.shape
-        last = lengths.view(B, 1) - 1
-        longest = int(lengths.max())
+    def fill(self, layer: int, k: Tensor, v: Tensor, lengths: list[int]) -> None:
+        """Store a prefill's keys and values ``[B, H, L, D]`` (row ``b`` valid up to ``lengths[b]``) in the rings.
+
+        Row ``b`` keeps its last ``min(S, n)`` positions: position ``p`` goes to slot ``p % S``, so the newest ``S``
+        positions ``[n - S, n)`` are two plain copies, split where the slot index wraps around. Slots a short row has
+        not reached are zeros (finite: a masked slot must not turn the attention into NaN) until decoding writes them.
+        """
+        B, _, _, D = k.shape
         for g in self.layers[layer]:
-            kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
-            if g.slots >= longest:
-                # No row wraps: slot s holds position s, a plain copy. Slots past a row's length hold padding or
-                # zeros (finite: a masked slot must not turn the softmax into NaN) until decoding writes them.
-                n = min(g.slots, L)
-                g.k, g.v = (x.new_zeros(B, x.shape[1], g.slots, D) for x in (kg, vg))
-                g.k[:, :, :n], g.v[:, :, :n] = kg[:, :, :n], vg[:, :, :n]
-                continue
-            s = torch.arange(g.slots, device=k.device)
-            newest = last - torch.remainder(last - s, g.slots)  # [B, S]; negative: the row never reached slot s
-            index = newest.clamp(min=0).view(B, 1, g.slots, 1).expand(B, kg.shape[1], g.slots, D)
-            g.k, g.v = torch.gather(kg, 2, index), torch.gather(vg, 2, index)
+            heads = slice(None) if g.heads is None else g.heads
+            g.k, g.v = (x.new_empty(B, x.shape[1] if g.heads is None else len(g.heads), g.slots, D) for x in (k, v))
+            for b, n in enumerate(lengths):
+                for ring, x in ((g.k, k), (g.v, v)):
+                    if n <= g.slots:
+                        ring[b, :, :n] = x[b, heads, :n]
+                        ring[b, :, n:] = 0
+                    else:
+                        r = n % g.slots  # the slot of position n - S
+                        ring[b, :, r:] = x[b, heads, n - g.slots : n - r]
+                        ring[b, :, :r] = x[b, heads, n - r : n]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Write this step's keys and values ``[B, H, 1, D]`` at each row's position, then attend each head over its
@@ -192,7 +194,7 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
             attn.capture = None
     for layer, store in enumerate(captured):
         _, k, v = store[0]
-        cache.fill(layer, k, v, lengths)
+        cache.fill(layer, k, v, lengths_list)
     cache.positions = lengths.clone()
     cache.min_position = min(lengths_list)
     return cache, logits
