@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from aah_lightning import validation
 from aah_lightning.aah.config import AAHConfig
@@ -46,6 +46,25 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class BitsPerByte(Metric):
+    """Cross-entropy in bits per byte of text: summed nats / (ln 2 x summed UTF-8 bytes the predicted tokens encode).
+
+    Comparable across tokenizers. End-of-document tokens are predicted (their loss counts) but encode no text.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("nats", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("bytes", torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, mean_loss: torch.Tensor, n_tokens: int, n_bytes: torch.Tensor) -> None:
+        self.nats += mean_loss.detach().double() * n_tokens
+        self.bytes += n_bytes.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.nats / (math.log(2) * self.bytes)
 
 
 class AAHModule(L.LightningModule):
@@ -121,6 +140,7 @@ class AAHModule(L.LightningModule):
         self.model.set_windows(self.policy.initial_table())
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
@@ -160,21 +180,32 @@ class AAHModule(L.LightningModule):
     def validation_step(self, batch, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.val_loss.update(loss, weight=batch["tokens"].shape[0])
+        if "bytes" in batch:
+            self.val_bpb.update(loss, batch["tokens"][:, 1:].numel(), batch["bytes"])
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
         self.val_loss.reset()
+        if self.val_bpb.update_count:
+            self.log("val/bpb", self.val_bpb.compute().float())
+            self.val_bpb.reset()
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.test_loss.update(self._loss(batch), weight=batch["tokens"].shape[0])
+        loss = self._loss(batch)
+        self.test_loss.update(loss, weight=batch["tokens"].shape[0])
+        if "bytes" in batch:
+            self.test_bpb.update(loss, batch["tokens"][:, 1:].numel(), batch["bytes"])
 
     def on_test_epoch_end(self) -> None:
         loss = self.test_loss.compute()
         self.log("test/loss", loss)
         self.log("test/ppl", torch.exp(loss))
         self.test_loss.reset()
+        if self.test_bpb.update_count:
+            self.log("test/bpb", self.test_bpb.compute().float())
+            self.test_bpb.reset()
 
     # -- optimisation ------------------------------------------------------------------------------------------------
     def parameter_groups(self) -> list[dict]:

@@ -1,0 +1,183 @@
+"""Tokenize a corpus once into a token folder (``token_folder.py``), with Hugging Face ``datasets``.
+
+The documents are put in the seeded order training uses (``document_order``: the same as reading the corpus into
+memory always did, so blocks and splits are unchanged), tokenized by ``Dataset.map(batched=True, num_proc=N)`` into
+Arrow files on disk, and streamed from there into the folder, a batch at a time: memory stays bounded whatever the
+corpus size. The data module calls ``cached_folder`` for ``stdlib`` and ``files`` (a folder per source and tokenizer
+under the cache folder, prepared once); ``aah-prepare`` (``tools/prepare_data.py``) writes one where you say.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sysconfig
+import zlib
+
+import numpy as np
+
+from aah_lightning.data import corpora
+from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_meta, token_dtype
+from aah_lightning.errors import ConfigError
+
+CACHE_ENV = "AAH_CACHE_DIR"
+SMALL_CORPUS = 64 << 20  # below this many bytes of text, extra tokenizer processes cost more than they save
+
+
+def cache_root(cache_dir: str | None = None) -> str:
+    """Where prepared token folders are kept: ``cache_dir``, else $AAH_CACHE_DIR, else ~/.cache/aah."""
+    root = cache_dir or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "aah")
+    return os.path.join(root, "tokens")
+
+
+def document_order(n: int, seed: int, max_documents: int | None = None) -> list[int]:
+    """A seeded, content-independent document order: the split is the same on every machine and rank."""
+    order = sorted(range(n), key=lambda i: zlib.crc32(f"{seed}:{i}".encode()))
+    return order[:max_documents] if max_documents else order
+
+
+def describe_source(source: str, paths=None, text_field="text", hub_name=None, hub_config=None, hub_split="train",
+                    repeat: int = 1) -> dict:
+    """What identifies the text: a changed file (size or time) or another Python gives another description."""
+    if source == "stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        listing = [(os.path.relpath(p, root), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in corpora.stdlib_files()]
+        desc = {"source": "stdlib", "python": platform.python_version(), "root": root,
+                "files": hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16], "documents": len(listing)}
+    elif source == "files":
+        files = [os.path.abspath(p) for p in corpora.expand_paths(paths or [])]
+        desc = {"source": "files", "text_field": text_field,
+                "files": [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in files]}
+    elif source == "hub":
+        desc = {"source": "hub", "name": hub_name, "config": hub_config, "split": hub_split, "text_field": text_field}
+    else:
+        raise ConfigError(f"data.source={source!r} cannot be prepared: use stdlib, files or hub")
+    if repeat != 1:
+        desc["repeat"] = repeat
+    return desc
+
+
+def folder_key(description: dict, tokenizer, seed: int, max_documents: int | None) -> str:
+    spec = {"source": description, "tokenizer": tokenizer.fingerprint, "seed": seed, "max_documents": max_documents}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def load_source(description: dict, cache_dir: str | None = None):
+    """The described corpus as a map-style ``datasets.Dataset`` with a ``text`` column (hub datasets are downloaded)."""
+    import datasets
+
+    source = description["source"]
+    if source == "stdlib":
+        ds = corpora.stdlib_corpus()
+    elif source == "files":
+        ds = corpora.file_corpus([p for p, _, _ in description["files"]], description["text_field"], cache_dir)
+    else:
+        ds = corpora.hub_dataset(description["name"], description["config"], description["split"],
+                                 description["text_field"], cache_dir)
+    ds = ds.select_columns(["text"])
+    repeat = description.get("repeat", 1)
+    if repeat > 1:
+        ds = datasets.concatenate_datasets([ds] * repeat)
+    return ds
+
+
+def _tokenize(batch, tokenizer, dtype: str):
+    """``Dataset.map`` function on Arrow batches: token ids per document (no end-of-document id), per-token byte
+    counts for Hugging Face tokenizers, and whether the document is kept (empty texts are dropped)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = pc.fill_null(batch.column("text").combine_chunks(), "")
+    keep = pc.greater(pc.binary_length(text), 0)
+    if tokenizer.name == "byte":  # the tokens are the UTF-8 bytes Arrow already stores: take them as they are
+        width = np.int64 if pa.types.is_large_string(text.type) else np.int32
+        offsets = np.frombuffer(text.buffers()[1], width)[text.offset : text.offset + len(text) + 1].astype(np.int64)
+        data = np.frombuffer(text.buffers()[2], np.uint8) if text.buffers()[2] is not None else np.zeros(0, np.uint8)
+        values = data[offsets[0] : offsets[-1]].astype(dtype)
+        ids = pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(values))
+        return pa.table({"ids": ids, "keep": keep})
+    encoded = tokenizer.encode_batch_with_bytes(text.to_pylist())
+    ids = [np.zeros(0, dtype)] + [i for i, _ in encoded]
+    nbytes = [np.zeros(0, np.int64)] + [b for _, b in encoded]
+    offsets = pa.array(np.cumsum([len(i) for i in ids], dtype=np.int64))
+    ids = pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(ids).astype(dtype)))
+    nbytes = np.minimum(np.concatenate(nbytes), 65535).astype(np.uint16)  # bytes.bin's cap, documented there
+    return pa.table({"ids": ids, "nbytes": pa.LargeListArray.from_arrays(offsets, pa.array(nbytes)), "keep": keep})
+
+
+def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int | None = None,
+            num_proc: int | None = None, progress: bool = True) -> str:
+    """Tokenize ``ds`` (column ``text``) in the seeded order into the token folder ``out``; returns ``out``."""
+    import datasets
+    import pyarrow.compute as pc
+    from tqdm.auto import tqdm
+
+    text_bytes = ds.data.nbytes
+    if num_proc is None:
+        num_proc = 1 if text_bytes < SMALL_CORPUS else min(4, os.cpu_count() or 1)
+    work = f"{os.path.abspath(out)}.work"
+    os.makedirs(work, exist_ok=True)
+    if num_proc > 1 and not ds.cache_files:  # in memory: workers would each get a pickled copy; map it from disk
+        ds.save_to_disk(os.path.join(work, "source"))
+        ds = datasets.load_from_disk(os.path.join(work, "source"))
+    ds = ds.select(document_order(len(ds), seed, max_documents))
+    dtype = token_dtype(tokenizer.vocab_size).name
+    byte_level = tokenizer.name == "byte"
+    tokens = ds.with_format("arrow").map(
+        _tokenize,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={"tokenizer": tokenizer, "dtype": dtype},
+        remove_columns=ds.column_names,
+        cache_file_name=os.path.join(work, "tokens.arrow"),
+        desc=f"tokenizing ({tokenizer.name})",
+    )
+    writer = FolderWriter(out, tokenizer.vocab_size, tokenizer.eos_id, with_bytes=not byte_level)
+    try:
+        bar = tqdm(total=len(tokens), desc="writing token folder", unit="doc", disable=not progress)
+        for batch in tokens.with_format("arrow").iter(batch_size=4096):
+            ids = batch.column("ids").combine_chunks()
+            keep = batch.column("keep").to_numpy(zero_copy_only=False)
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep]  # dropped ones have no tokens
+            nbytes = None if byte_level else batch.column("nbytes").combine_chunks().flatten().to_numpy()
+            writer.add(ids.flatten().to_numpy(), lengths, nbytes)
+            bar.update(len(keep))
+        bar.close()
+        meta = {**meta, "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
+                "seed": seed, "max_documents": max_documents, "dtype": dtype}
+        path = writer.finish(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    del tokens
+    shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_documents: int | None = None,
+                    num_proc: int | None = None, cache_dir: str | None = None, progress: bool = True,
+                    setting: str = "--out") -> tuple[str, bool]:
+    """Make sure ``out`` holds this corpus's token folder: (path, whether it was tokenized now).
+
+    An existing folder of the same corpus, tokenizer and order is kept (preparing is idempotent); anything else at
+    ``out`` is refused, never overwritten."""
+    key = folder_key(description, tokenizer, seed, max_documents)
+    if os.path.exists(out):
+        if not is_token_folder(out):
+            raise ConfigError(
+                f"{setting}={out!r} exists and is not a token folder: choose a new path or remove it"
+            )
+        found = read_meta(out, setting)
+        if found.get("key") != key:
+            raise ConfigError(
+                f"{setting}={out!r} holds another corpus, tokenizer or order (tokenizer {found['tokenizer']['name']!r}, "
+                f"source {found.get('source', {}).get('source')!r}): choose a new path or remove it"
+            )
+        return out, False
+    ds = load_source(description, cache_dir)
+    meta = {"key": key, "source": description}
+    return prepare(ds, tokenizer, out, meta, seed, max_documents, num_proc, progress), True
