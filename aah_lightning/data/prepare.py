@@ -9,18 +9,22 @@ under the cache folder, prepared once); ``aah-prepare`` (``tools/prepare_data.py
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import platform
 import shutil
+import sys
 import sysconfig
+import time
 import zlib
 
 import numpy as np
 
 from aah_lightning.data import corpora
-from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_meta, token_dtype
+from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_meta, token_dtype, verify
+from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
 
 CACHE_ENV = "AAH_CACHE_DIR"
@@ -66,9 +70,8 @@ def folder_key(description: dict, tokenizer, seed: int, max_documents: int | Non
 
 
 def load_source(description: dict, cache_dir: str | None = None):
-    """The described corpus as a map-style ``datasets.Dataset`` with a ``text`` column (hub datasets are downloaded)."""
-    import datasets
-
+    """The described corpus as a map-style ``datasets.Dataset`` with a ``text`` column (hub datasets are downloaded);
+    its ``repeat`` is applied by ``prepare``."""
     source = description["source"]
     if source == "stdlib":
         ds = corpora.stdlib_corpus()
@@ -77,11 +80,7 @@ def load_source(description: dict, cache_dir: str | None = None):
     else:
         ds = corpora.hub_dataset(description["name"], description["config"], description["split"],
                                  description["text_field"], cache_dir)
-    ds = ds.select_columns(["text"])
-    repeat = description.get("repeat", 1)
-    if repeat > 1:
-        ds = datasets.concatenate_datasets([ds] * repeat)
-    return ds
+    return ds.select_columns(["text"])
 
 
 def _tokenize(batch, tokenizer, dtype: str):
@@ -109,13 +108,14 @@ def _tokenize(batch, tokenizer, dtype: str):
 
 
 def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int | None = None,
-            num_proc: int | None = None, progress: bool = True) -> str:
-    """Tokenize ``ds`` (column ``text``) in the seeded order into the token folder ``out``; returns ``out``."""
+            num_proc: int | None = None, progress: bool = True, repeat: int = 1) -> str:
+    """Tokenize ``ds`` (column ``text``), ``repeat`` times over, in the seeded order into the token folder ``out``;
+    returns ``out``."""
     import datasets
     import pyarrow.compute as pc
     from tqdm.auto import tqdm
 
-    text_bytes = ds.data.nbytes
+    text_bytes = ds.data.nbytes * repeat
     if num_proc is None:
         num_proc = 1 if text_bytes < SMALL_CORPUS else min(4, os.cpu_count() or 1)
     work = f"{os.path.abspath(out)}.work"
@@ -123,6 +123,8 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
     if num_proc > 1 and not ds.cache_files:  # in memory: workers would each get a pickled copy; map it from disk
         ds.save_to_disk(os.path.join(work, "source"))
         ds = datasets.load_from_disk(os.path.join(work, "source"))
+    if repeat > 1:  # copies of a memory-mapped table share its file: nothing is held twice
+        ds = datasets.concatenate_datasets([ds] * repeat)
     ds = ds.select(document_order(len(ds), seed, max_documents))
     dtype = token_dtype(tokenizer.vocab_size).name
     byte_level = tokenizer.name == "byte"
@@ -133,7 +135,9 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
         num_proc=num_proc if num_proc > 1 else None,
         fn_kwargs={"tokenizer": tokenizer, "dtype": dtype},
         remove_columns=ds.column_names,
-        cache_file_name=os.path.join(work, "tokens.arrow"),
+        # Large corpora are tokenized into Arrow files on disk (memory stays bounded); small ones in memory (faster).
+        keep_in_memory=text_bytes < SMALL_CORPUS and num_proc == 1,
+        cache_file_name=None if text_bytes < SMALL_CORPUS and num_proc == 1 else os.path.join(work, "tokens.arrow"),
         desc=f"tokenizing ({tokenizer.name})",
     )
     writer = FolderWriter(out, tokenizer.vocab_size, tokenizer.eos_id, with_bytes=not byte_level)
@@ -180,4 +184,83 @@ def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_docum
         return out, False
     ds = load_source(description, cache_dir)
     meta = {"key": key, "source": description}
-    return prepare(ds, tokenizer, out, meta, seed, max_documents, num_proc, progress), True
+    repeat = description.get("repeat", 1)
+    return prepare(ds, tokenizer, out, meta, seed, max_documents, num_proc, progress, repeat), True
+
+
+# -- aah-prepare -------------------------------------------------------------------------------------------------------
+_DATA_DEFAULTS = {"source": "stdlib", "tokenizer": "byte", "paths": None, "text_field": "text", "hub_name": None,
+                  "hub_config": None, "hub_split": "train", "seed": 1234, "max_documents": None, "cache_dir": None}
+
+
+def _data_settings(args) -> dict:
+    """The data section of the training configs (later ones win), then the command line's settings."""
+    import yaml
+
+    data = dict(_DATA_DEFAULTS)
+    for path in args.config:
+        try:
+            with open(path) as f:
+                section = (yaml.safe_load(f) or {}).get("data") or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--config={path!r} cannot be read: {type(e).__name__}: {e}") from e
+        data.update(section.get("init_args", section))
+    data.update({k: v for k, v in vars(args).items() if k in _DATA_DEFAULTS and v is not None})
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``aah-prepare``: tokenize a training config's corpus into a token folder, once."""
+    parser = argparse.ArgumentParser(
+        prog="aah-prepare",
+        description="Tokenize the corpus of a training config into a token folder (train with data.source=tokens, "
+        "data.path=<folder>). Without --out it fills the cache folder a run of that config reads.",
+    )
+    parser.add_argument("--config", action="append", default=[], help="training config(s); their data section "
+                        "says what to prepare (later ones win, flags below win over them)")
+    parser.add_argument("--out", help="the token folder to write (must not exist, or hold this very corpus)")
+    parser.add_argument("--source", choices=("stdlib", "files", "hub"))
+    parser.add_argument("--paths", nargs="+", help="files or glob patterns (source files)")
+    parser.add_argument("--text_field")
+    parser.add_argument("--tokenizer", help="'byte' or a Hugging Face tokenizer name, tokenizer.json path or folder")
+    parser.add_argument("--hub_name")
+    parser.add_argument("--hub_config")
+    parser.add_argument("--hub_split")
+    parser.add_argument("--seed", type=int, help="orders the documents (the split is the tail of that order)")
+    parser.add_argument("--max_documents", type=int)
+    parser.add_argument("--cache_dir", help="cache folder (default $AAH_CACHE_DIR or ~/.cache/aah)")
+    parser.add_argument("--num_proc", type=int, help="tokenizer processes (default: 1 below 64 MB of text, else up "
+                        "to 4)")
+    parser.add_argument("--repeat", type=int, default=1, help="the corpus this many times over: a large corpus from "
+                        "a small one, for measurements")
+    parser.add_argument("--verify", metavar="FOLDER", help="check every checksum of a token folder, then exit")
+    args = parser.parse_args(argv)
+    try:
+        if args.verify:
+            meta = verify(args.verify, "--verify", full=True)
+            print(f"{args.verify}: intact ({meta['documents']} documents, {meta['tokens']} tokens)")
+            return
+        data = _data_settings(args)
+        if data["source"] not in ("stdlib", "files", "hub"):
+            raise ConfigError(f"data.source={data['source']!r} cannot be prepared: use stdlib, files or hub")
+        if args.repeat < 1 or (args.num_proc is not None and args.num_proc < 1):
+            raise ConfigError("--repeat and --num_proc must be positive integers")
+        tokenizer = load_tokenizer(data["tokenizer"])
+        description = describe_source(data["source"], data["paths"], data["text_field"], data["hub_name"],
+                                      data["hub_config"], data["hub_split"], args.repeat)
+        key = folder_key(description, tokenizer, data["seed"], data["max_documents"])
+        out = args.out or os.path.join(cache_root(data["cache_dir"]), key)
+        start = time.perf_counter()
+        path, made = prepared_folder(out, description, tokenizer, data["seed"], data["max_documents"], args.num_proc,
+                                     data["cache_dir"], setting="--out")
+    except ConfigError as e:
+        print(f"aah-prepare: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    meta = read_meta(path, "--out")
+    seconds = time.perf_counter() - start
+    mb = meta["text_bytes"] / 1e6
+    what = f"tokenized in {seconds:.1f} s ({mb / seconds:.1f} MB/s of text)" if made else "already prepared"
+    print(f"{path}: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {mb:.1f} MB of text; "
+          f"{what}")
+    tok = "" if data["tokenizer"] == "byte" else f" --data.tokenizer={data['tokenizer']}"
+    print(f"train from it: aah fit ... --data.source=tokens --data.path={path}{tok}")

@@ -164,11 +164,17 @@ class FolderWriter:
     def add(self, values: np.ndarray, lengths: np.ndarray, byte_lengths: np.ndarray | None = None) -> None:
         if len(lengths) == 0:
             return
-        ends = np.cumsum(lengths, dtype=np.int64)
-        self.tokens.write(np.insert(values.astype(self.tokens.dtype, copy=False), ends, self.eos_id))
-        self.starts.write(self.n_tokens + ends + np.arange(1, len(lengths) + 1))
+        eod = np.cumsum(lengths, dtype=np.int64) + np.arange(len(lengths))  # where the end-of-document ids go
+        text = np.ones(len(values) + len(lengths), bool)
+        text[eod] = False
+        tokens = np.full(len(text), self.eos_id, self.tokens.dtype)
+        tokens[text] = values
+        self.tokens.write(tokens)
+        self.starts.write(self.n_tokens + eod + 1)
         if self.bytes is not None:
-            self.bytes.write(np.insert(np.minimum(byte_lengths, 65535).astype(np.uint16), ends, 0))
+            counts = np.zeros(len(text), np.uint16)
+            counts[text] = np.minimum(byte_lengths, 65535)
+            self.bytes.write(counts)
             self.n_text_bytes += int(byte_lengths.sum(dtype=np.int64))
         else:
             self.n_text_bytes += len(values)  # the byte tokenizer: one token per byte

@@ -124,6 +124,7 @@ class TextDataModule(L.LightningDataModule):
         if source == "tokens":
             self._check_folder_tokenizer(read_meta(path, "data.path"))
         self.train_set = self.val_set = self.test_set = None
+        self._source: dict | None = None  # the description of stdlib / files text (``_describe_source``)
         self._restored: dict | None = None  # the data state of the checkpoint being resumed
         self._stream_position: dict = {}  # {worker id: position after the last block trained on} (streams)
 
@@ -146,8 +147,10 @@ class TextDataModule(L.LightningDataModule):
             )
 
     def _describe_source(self) -> dict:
-        hp = self.hparams
-        return prepare.describe_source(hp.source, hp.paths, hp.text_field)
+        if self._source is None:  # once: it reads every file's size and time
+            hp = self.hparams
+            self._source = prepare.describe_source(hp.source, hp.paths, hp.text_field)
+        return self._source
 
     def _cached_folder(self) -> str:
         hp = self.hparams
