@@ -2,7 +2,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from aah_lightning.data.corpora import stdlib_files
 from aah_lightning.data.packing import EndlessSampler, TokenBlocks, pack_stream

@@ -110,13 +110,14 @@ def test_memmap_reads_without_loading(tmp_path):
 
 
 def test_token_type_follows_the_vocabulary(tmp_path):
-    assert token_dtype(257) == np.uint16 and token_dtype(1 << 16) == np.uint16 and token_dtype((1 << 16) + 1) == np.uint32
+    assert token_dtype(257) == token_dtype(1 << 16) == np.uint16 and token_dtype((1 << 16) + 1) == np.uint32
     writer = FolderWriter(str(tmp_path / "wide"), 100_000, 99_999, with_bytes=True)
     writer.add(np.array([70_000, 5, 65_536]), np.array([2, 1]), np.array([3, 1, 2]))
     writer.finish({"tokenizer": {"name": "wide", "fingerprint": "x"}})
     stream, meta = open_folder(str(tmp_path / "wide"))
     assert stream.tokens.dtype == np.uint32 and meta["files"]["tokens.bin"]["size"] == 5 * 4
-    assert stream.tokens.tolist() == [70_000, 5, 99_999, 65_536, 99_999] and stream.doc_ids(0, 5).tolist() == [0, 0, 0, 1, 1]
+    assert stream.tokens.tolist() == [70_000, 5, 99_999, 65_536, 99_999]
+    assert stream.doc_ids(0, 5).tolist() == [0, 0, 0, 1, 1]
     assert stream.text_bytes(0, 5) == 6 and meta["text_bytes"] == 6
 
 
@@ -307,7 +308,8 @@ def test_ranks_read_disjoint_shards_of_a_token_folder(tmp_path):
     assert not set(seen[0]) & set(seen[1])
     n = len(dm.train_set)
     assert len(set(seen[0]) | set(seen[1])) >= n - 1 - 2 * 2  # all but the odd block and the partial batches
-    assert seen[1] == EndlessSampler(n, 1234, length=len(seen[1]), rank=1, world_size=2).shard(0)[: len(seen[1])].tolist()
+    order = EndlessSampler(n, 1234, length=len(seen[1]), rank=1, world_size=2).shard(0)
+    assert seen[1] == order[: len(seen[1])].tolist()  # the seeded permutation, strided by rank
 
 
 def test_resume_from_a_token_folder_is_exact(tmp_path, tiny_args):

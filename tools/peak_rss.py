@@ -12,10 +12,10 @@ import sys
 import time
 
 
-def tree_rss(root: int) -> int:
-    """Bytes resident in ``root`` and all its descendants."""
+def tree_rss(root: int) -> tuple[int, int]:
+    """Bytes resident in ``root`` and all its descendants: in all, and anonymous (not pages of mapped files)."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
+    rss: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -23,16 +23,18 @@ def tree_rss(root: int) -> int:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{entry}/statm") as f:
-                rss[int(entry)] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                resident, shared = (int(x) * os.sysconf("SC_PAGE_SIZE") for x in f.read().split()[1:3])
+            rss[int(entry)] = (resident, resident - shared)
         except OSError:  # the process ended meanwhile
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0, [root]
+    total = anon = 0
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += rss.get(pid, 0)
+        total, anon = total + rss.get(pid, (0, 0))[0], anon + rss.get(pid, (0, 0))[1]
         todo += children.get(pid, [])
-    return total
+    return total, anon
 
 
 def main() -> None:
@@ -43,13 +45,14 @@ def main() -> None:
         sys.exit("usage: peak_rss.py -- command [args...]")
     start = time.perf_counter()
     proc = subprocess.Popen(argv)
-    peak = 0
+    peak = peak_anon = 0
     while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
+        total, anon = tree_rss(proc.pid)
+        peak, peak_anon = max(peak, total), max(peak_anon, anon)
         time.sleep(0.1)
     wall = time.perf_counter() - start
     print(f"peak_rss: exit {proc.returncode}, wall {wall:.1f} s, peak resident memory of the process tree "
-          f"{peak / 2**20:.0f} MiB", file=sys.stderr)
+          f"{peak / 2**20:.0f} MiB (anonymous {peak_anon / 2**20:.0f} MiB)", file=sys.stderr)
     sys.exit(proc.returncode)
 
 

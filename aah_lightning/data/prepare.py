@@ -48,7 +48,8 @@ def describe_source(source: str, paths=None, text_field="text", hub_name=None, h
     """What identifies the text: a changed file (size or time) or another Python gives another description."""
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
-        listing = [(os.path.relpath(p, root), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in corpora.stdlib_files()]
+        stats = [(p, os.stat(p)) for p in corpora.stdlib_files()]
+        listing = [(os.path.relpath(p, root), st.st_size, st.st_mtime_ns) for p, st in stats]
         desc = {"source": "stdlib", "python": platform.python_version(), "root": root,
                 "files": hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16], "documents": len(listing)}
     elif source == "files":
@@ -95,7 +96,7 @@ def _tokenize(batch, tokenizer, dtype: str):
         width = np.int64 if pa.types.is_large_string(text.type) else np.int32
         offsets = np.frombuffer(text.buffers()[1], width)[text.offset : text.offset + len(text) + 1].astype(np.int64)
         data = np.frombuffer(text.buffers()[2], np.uint8) if text.buffers()[2] is not None else np.zeros(0, np.uint8)
-        values = data[offsets[0] : offsets[-1]].astype(dtype)
+        values = data[offsets[0] : offsets[-1]]  # kept as bytes here (the end-of-document id 256 is added later)
         ids = pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(values))
         return pa.table({"ids": ids, "keep": keep})
     encoded = tokenizer.encode_batch_with_bytes(text.to_pylist())
@@ -143,11 +144,11 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
     writer = FolderWriter(out, tokenizer.vocab_size, tokenizer.eos_id, with_bytes=not byte_level)
     try:
         bar = tqdm(total=len(tokens), desc="writing token folder", unit="doc", disable=not progress)
-        for batch in tokens.with_format("arrow").iter(batch_size=4096):
-            ids = batch.column("ids").combine_chunks()
+        for batch in _record_batches(tokens):
+            ids = batch.column("ids")
             keep = batch.column("keep").to_numpy(zero_copy_only=False)
             lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep]  # dropped ones have no tokens
-            nbytes = None if byte_level else batch.column("nbytes").combine_chunks().flatten().to_numpy()
+            nbytes = None if byte_level else batch.column("nbytes").flatten().to_numpy()
             writer.add(ids.flatten().to_numpy(), lengths, nbytes)
             bar.update(len(keep))
         bar.close()
@@ -160,6 +161,19 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
     del tokens
     shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def _record_batches(ds):
+    """The rows of a mapped dataset as Arrow record batches, in order. Its cache files are read as streams, a batch
+    at a time, not memory-mapped: mapped pages would stay resident until the whole table is let go."""
+    import pyarrow as pa
+
+    if not ds.cache_files:  # tokenized in memory
+        yield from ds.data.to_batches()
+        return
+    for cache in ds.cache_files:  # the shards' files, in the order of the rows
+        with pa.OSFile(cache["filename"]) as f:
+            yield from pa.ipc.open_stream(f)
 
 
 def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_documents: int | None = None,
@@ -178,8 +192,9 @@ def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_docum
         found = read_meta(out, setting)
         if found.get("key") != key:
             raise ConfigError(
-                f"{setting}={out!r} holds another corpus, tokenizer or order (tokenizer {found['tokenizer']['name']!r}, "
-                f"source {found.get('source', {}).get('source')!r}): choose a new path or remove it"
+                f"{setting}={out!r} holds another corpus, tokenizer or order (tokenizer "
+                f"{found['tokenizer']['name']!r}, source {found.get('source', {}).get('source')!r}): choose a new path "
+                f"or remove it"
             )
         return out, False
     ds = load_source(description, cache_dir)

@@ -88,7 +88,7 @@ class TokenStream:
         return out
 
     def doc_ids(self, start: int, stop: int) -> np.ndarray:
-        """The document index of every position in ``[start, stop)`` (the end-of-document id belongs to its document)."""
+        """The document index of every position in ``[start, stop)`` (an end-of-document id is its document's)."""
         return np.searchsorted(self.starts, np.arange(start, stop), side="right") - 1
 
     def text_bytes(self, start: int, stop: int) -> int:
@@ -244,7 +244,9 @@ def read_meta(path: str, setting: str) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{setting}={path!r}: {META} cannot be read ({type(e).__name__}): prepare the folder again")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ConfigError(f"{setting}={path!r} is not a token folder ({META} is not aah's): prepare one with aah-prepare")
+        raise ConfigError(
+            f"{setting}={path!r} is not a token folder ({META} is not aah's): prepare one with aah-prepare"
+        )
     if meta.get("version") != VERSION:
         raise ConfigError(
             f"{setting}={path!r} has token folder format {meta.get('version')}, this aah reads {VERSION}: prepare it "
