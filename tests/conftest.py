@@ -40,3 +40,15 @@ def tiny_cli_args(tmp_path, *extra, steps=6, source="synthetic", seq_len=32, sub
 @pytest.fixture
 def tiny_args(tmp_path):
     return lambda *extra, **kw: tiny_cli_args(tmp_path, *extra, **kw)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def token_cache(tmp_path_factory):
+    """Token folders the tests prepare go to a folder of this session, not the user's cache (subprocesses too)."""
+    old = os.environ.get("AAH_CACHE_DIR")
+    os.environ["AAH_CACHE_DIR"] = str(tmp_path_factory.mktemp("aah_cache"))
+    yield os.environ["AAH_CACHE_DIR"]
+    if old is None:
+        os.environ.pop("AAH_CACHE_DIR")
+    else:
+        os.environ["AAH_CACHE_DIR"] = old

@@ -2,23 +2,37 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from aah_lightning.data.corpora import stdlib_files
-from aah_lightning.data.packing import EndlessSampler, PackedBlocks, concatenate
+from aah_lightning.data.packing import EndlessSampler, TokenBlocks, pack_stream
+from aah_lightning.data.token_folder import TokenStream
 from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.tokenizers import ByteTokenizer, HFTokenizer
 from aah_lightning.lit.datamodule import TextDataModule
 
 
 def test_packing_separates_documents_with_eos_and_keeps_ids():
-    tokens, ids = concatenate([np.array([1, 2, 3]), np.array([4, 5])], eos_id=9)
-    assert tokens.tolist() == [1, 2, 3, 9, 4, 5, 9]
-    assert ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
-    blocks = PackedBlocks(tokens, ids, seq_len=2)  # blocks of 3, remainder dropped
+    stream = TokenStream.from_documents([np.array([1, 2, 3]), np.array([4, 5])], eos_id=9)
+    assert stream.tokens.tolist() == [1, 2, 3, 9, 4, 5, 9]
+    assert stream.doc_ids(0, 7).tolist() == [0, 0, 0, 0, 1, 1, 1]
+    blocks = TokenBlocks(stream, seq_len=2, first=0, count=len(stream) // 3)  # blocks of 3, remainder dropped
     assert len(blocks) == 2
     assert blocks[1]["tokens"].tolist() == [9, 4, 5] and blocks[1]["doc_ids"].tolist() == [0, 1, 1]
-    assert blocks[1]["index"] == 1
+    assert blocks[1]["index"] == 1 and "bytes" not in blocks[1]  # no text behind these tokens
+
+
+def test_stream_packer_positions_restart_token_for_token():
+    docs = [(np.arange(n) + 10 * i, np.ones(n, np.int64)) for i, n in enumerate([5, 1, 9, 3, 7, 2, 6])]
+    whole = list(pack_stream(docs, eos_id=99, seq_len=3, positions=True))
+    flat = [t for d, _ in docs for t in [*d.tolist(), 99]]
+    assert [t for b, _ in whole for t in b["tokens"].tolist()] == flat[: len(whole) * 4]
+    for k in range(len(whole) - 1):  # restart after block k from the position it reports
+        doc, offset = whole[k][1]
+        rest = list(pack_stream(docs[doc:], 99, 3, first_doc=doc, skip=offset))
+        assert [b["tokens"].tolist() for b in rest] == [b["tokens"].tolist() for b, _ in whole[k + 1 :]]
+        assert [b["doc_ids"].tolist() for b in rest] == [b["doc_ids"].tolist() for b, _ in whole[k + 1 :]]
+    # bytes: the predicted tokens' text, end-of-document tokens encode none
+    assert [b["bytes"] for b, _ in whole] == [sum(t != 99 for t in b["tokens"][1:].tolist()) for b, _ in whole]
 
 
 def test_sampler_shards_are_disjoint_cover_the_data_and_resume_exactly():
@@ -60,15 +74,21 @@ def make_dm(**kw):
     return dm
 
 
+def _docs_of(blocks) -> set:
+    return {d for i in range(len(blocks)) for d in blocks[i]["doc_ids"].tolist()}
+
+
 def test_split_is_deterministic_and_disjoint():
-    a = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1)
-    b = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1)
-    assert torch.equal(a.train_set.tokens, b.train_set.tokens) and torch.equal(a.val_set.tokens, b.val_set.tokens)
-    total = len(a.train_set) + len(a.val_set)
-    assert len(a.val_set) == round(0.1 * total)
-    train_docs = set(a.train_set.doc_ids.flatten().tolist())
-    val_docs = set(a.val_set.doc_ids.flatten().tolist())
-    assert len(train_docs & val_docs) <= 1  # only the document cut by the split boundary
+    a = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1, test_fraction=0.05)
+    b = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1, test_fraction=0.05)
+    for part in ("train_set", "test_set", "val_set"):
+        assert np.array_equal(getattr(a, part).as_array(), getattr(b, part).as_array())
+    total = len(a.train_set) + len(a.test_set) + len(a.val_set)
+    assert len(a.val_set) == round(0.1 * total) and len(a.test_set) == round(0.05 * total)
+    # [train | test | validation]: validation is the tail of the stream, test the blocks before it
+    assert a.val_set.first == total - len(a.val_set) and a.test_set.first == len(a.train_set)
+    train, test, val = _docs_of(a.train_set), _docs_of(a.test_set), _docs_of(a.val_set)
+    assert len(train & test) <= 1 and len(test & val) <= 1 and not train & val  # only documents cut by a boundary
 
 
 def test_stdlib_data_module_blocks():
@@ -95,9 +115,10 @@ def test_local_files_through_datasets(tmp_path, kind):
         pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet")
         paths = [str(tmp_path / "d.parquet")]
     field = "text" if kind == "txt" else "body"
-    dm = make_dm(source="files", paths=paths, text_field=field, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    dm = make_dm(source="files", paths=paths, text_field=field, seq_len=64, cache_dir=str(tmp_path / "cache"),
+                 val_fraction=0.1, test_fraction=0.1)
     n_tokens = sum(len(t.encode()) + 1 for t in texts)
-    assert (len(dm.train_set) + len(dm.val_set)) == n_tokens // 65
+    assert len(dm.train_set) + len(dm.test_set) + len(dm.val_set) == n_tokens // 65
     decoded = ByteTokenizer().decode(dm.train_set[0]["tokens"].tolist())
     assert "document number" in decoded
 
@@ -113,4 +134,4 @@ def test_hf_tokenizer_from_a_local_file(tmp_path):
     assert hf.eos_id == tok.token_to_id("</s>")
     dm = make_dm(source="stdlib", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=32, max_documents=5)
     assert dm.vocab_size == tok.get_vocab_size()
-    assert int(dm.train_set.tokens.max()) < dm.vocab_size
+    assert int(dm.train_set.as_array().max()) < dm.vocab_size

@@ -58,17 +58,17 @@ def _documents(blocks, eos):
 
 
 @pytest.mark.parametrize("world,n_shards", [(2, 4), (3, 6), (3, 4)])  # whole shards per rank, or every world-th doc
-def test_streamed_shards_are_disjoint_cover_the_stream_and_leave_validation_out(monkeypatch, world, n_shards):
+def test_streamed_shards_are_disjoint_cover_the_stream_and_leave_held_out_blocks_out(monkeypatch, world, n_shards):
     texts = _fake_hub(monkeypatch, 90, n_shards)
     eos = ByteTokenizer.eos_id
     shards, held_out = [], None
     for rank in range(world):
-        dm = _attach(TextDataModule(source="hub", hub_name="local/fake", seq_len=16, batch_size=2, val_blocks=4),
-                     rank, world)
+        dm = _attach(TextDataModule(source="hub", hub_name="local/fake", seq_len=16, batch_size=2, val_blocks=4,
+                                    test_blocks=2), rank, world)
         dm.setup("fit")
         blocks = [{"tokens": b["tokens"]} for b in dm.train_set]  # one pass (epoch-based run)
         shards.append(_documents(blocks, eos))
-        val_docs = set(_documents(dm.val_set, eos))
+        val_docs = set(_documents(dm.val_set + dm.test_set, eos))
         held_out = val_docs if held_out is None else held_out
         assert val_docs == held_out  # every rank holds the same validation documents
     everything = [d for s in shards for d in s]
@@ -76,4 +76,4 @@ def test_streamed_shards_are_disjoint_cover_the_stream_and_leave_validation_out(
     assert not set(everything) & held_out  # validation documents are never trained on
     # Together they cover the stream: all but the validation head and at most one document cut off per rank.
     missing = set(texts) - set(everything) - held_out
-    assert len(missing) <= world + 1, missing  # + the validation document cut by the last validation block
+    assert len(missing) <= world + 1, missing  # + the held-out document cut by the last held-out block

@@ -106,7 +106,7 @@ def _fake_hub(monkeypatch, n_shards=3):
 
 def test_streamed_resume_is_exact(tmp_path, tiny_args, monkeypatch):
     _fake_hub(monkeypatch)
-    extra = ["--data.source=hub", "--data.hub_name=local/fake", "--data.val_blocks=3"]
+    extra = ["--data.source=hub", "--data.hub_name=local/fake", "--data.val_blocks=3", "--data.test_blocks=2"]
     main(_run(tiny_args, tmp_path / "whole", *extra))
     saved = _interrupted_then_resumed(tiny_args, tmp_path / "parts", *extra)
     _check(tmp_path)

@@ -29,9 +29,9 @@ def main():
         data_cfg = yaml.safe_load(f).get("data", {})
     dm = TextDataModule(**data_cfg)
     dm.setup("fit")
-    train, val = dm.train_set.tokens[:, 1:], dm.val_set.tokens[:, 1:]  # the predicted positions
-    h = unigram_cross_entropy(train, val, dm.vocab_size)
-    print(f"train blocks {len(dm.train_set)}, val blocks {len(dm.val_set)}, tokens {dm.train_set.tokens.numel() + dm.val_set.tokens.numel()}")
+    train, val = (torch.from_numpy(s.as_array()[:, 1:].astype("int64")) for s in (dm.train_set, dm.val_set))
+    h = unigram_cross_entropy(train, val, dm.vocab_size)  # on the predicted positions
+    print(f"train blocks {len(dm.train_set)}, val blocks {len(dm.val_set)}, tokens {(train.numel() + val.numel())}")
     print(f"unigram entropy (val, nats/token): {h:.4f}  ({h / math.log(2):.3f} bits)")
 
 

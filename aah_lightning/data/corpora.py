@@ -3,7 +3,7 @@
 * ``stdlib``: the embedded default corpus - the Python standard library's own ``.py`` sources (its test suites
   excluded), present on every machine that runs this app, so the quickstart needs no network.
 * ``files``: local ``.txt`` (one document per file), ``.jsonl``/``.json`` and ``.parquet`` (one per row).
-* ``hub``: a Hugging Face hub dataset by name, streamed.
+* ``hub``: a Hugging Face hub dataset by name, streamed (or downloaded whole, to prepare a token folder).
 """
 
 from __future__ import annotations
@@ -85,6 +85,22 @@ def file_corpus(paths: list[str], text_field: str = "text", cache_dir: str | Non
     if text_field != "text":
         ds = ds.rename_column(text_field, "text")
     return ds
+
+
+def hub_dataset(name: str, config: str | None, split: str, text_field: str = "text", cache_dir: str | None = None):
+    """A hub dataset, downloaded into the datasets cache (for preparing a token folder)."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except Exception as e:
+        raise ConfigError(
+            f"data.hub_name={name!r} (config {config!r}, split {split!r}) cannot be loaded: "
+            f"{type(e).__name__}: {str(e)[:200]}. Check the name and network"
+        ) from e
+    if text_field not in ds.column_names:
+        raise ConfigError(f"data.text_field={text_field!r} is not a column of {name}; columns are {ds.column_names}")
+    return ds.rename_column(text_field, "text") if text_field != "text" else ds
 
 
 def hub_corpus(name: str, config: str | None, split: str, text_field: str = "text"):

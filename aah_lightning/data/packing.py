@@ -2,62 +2,100 @@
 
 A block of ``T + 1`` tokens gives inputs ``block[:-1]`` and targets ``block[1:]``. Document ids (a running index per
 document; the separator belongs to the document it ends) let the attention mask keep queries inside their document.
+Map-style corpora are a ``TokenStream`` (in memory or a memory-mapped token folder) cut into ``TokenBlocks``; streamed
+ones go through ``pack_stream``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-
-def concatenate(docs: Iterable[np.ndarray], eos_id: int, first_doc_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """One token stream (each document followed by ``eos_id``) and the matching document ids."""
-    tokens, ids = [], []
-    for i, doc in enumerate(docs, start=first_doc_id):
-        tokens.append(np.asarray(doc, dtype=np.int32))
-        tokens.append(np.array([eos_id], dtype=np.int32))
-        ids.append(np.full(len(doc) + 1, i, dtype=np.int32))
-    if not tokens:
-        return np.zeros(0, np.int32), np.zeros(0, np.int32)
-    return np.concatenate(tokens), np.concatenate(ids)
+from aah_lightning.data.token_folder import TokenStream
 
 
-class PackedBlocks(Dataset):
-    """Non-overlapping ``seq_len + 1`` blocks of a token stream. Item: tokens, doc_ids (int64) and its index."""
+class TokenBlocks(Dataset):
+    """Blocks ``first, first + 1, ...`` (``count`` of them) of ``seq_len + 1`` tokens of a ``TokenStream``.
 
-    def __init__(self, tokens: np.ndarray, doc_ids: np.ndarray, seq_len: int):
-        self.block = seq_len + 1
-        n = len(tokens) // self.block
-        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens[: n * self.block])).view(n, self.block)
-        self.doc_ids = torch.from_numpy(np.ascontiguousarray(doc_ids[: n * self.block])).view(n, self.block)
+    Block ``i`` is the slice ``[(first + i) * (seq_len + 1), (first + i + 1) * (seq_len + 1))``, read when asked for, so
+    a memory-mapped stream stays on disk. Item: tokens, doc_ids (int64), its index and, when the stream knows its
+    text, ``bytes``: the UTF-8 bytes of text its predicted tokens (all but the first) encode.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, first: int, count: int):
+        self.stream, self.block, self.first, self.count = stream, seq_len + 1, first, count
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return self.count
 
     def __getitem__(self, i: int) -> dict:
-        return {"tokens": self.tokens[i].long(), "doc_ids": self.doc_ids[i].long(), "index": i}
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        start = (self.first + i) * self.block
+        item = self.stream.read(start, start + self.block)
+        item["tokens"], item["doc_ids"] = torch.from_numpy(item["tokens"]), torch.from_numpy(item["doc_ids"])
+        return {**item, "index": i}
+
+    def as_array(self) -> np.ndarray:
+        """The blocks as one ``[count, seq_len + 1]`` view of the stream (no copy)."""
+        start = self.first * self.block
+        return self.stream.tokens[start : start + self.count * self.block].reshape(self.count, self.block)
 
 
-def pack_stream(docs: Iterator[np.ndarray], eos_id: int, seq_len: int) -> Iterator[dict]:
-    """Streaming packer: yields blocks as documents arrive (for iterable sources)."""
+def pack_stream(
+    docs: Iterable[tuple[np.ndarray, np.ndarray | None]],
+    eos_id: int,
+    seq_len: int,
+    first_doc: int = 0,
+    skip: int = 0,
+    positions: bool = False,
+) -> Iterator:
+    """Streaming packer: yields ``seq_len + 1`` blocks as documents arrive (for iterable sources).
+
+    ``docs``: (tokens, per-token UTF-8 byte counts or None) per document, without the end-of-document id, which is
+    added here. Documents are numbered from ``first_doc``; ``skip``: tokens of the first document that an earlier
+    pass already emitted (a resumed stream). With ``positions``, every block comes as ``(block, (doc, offset))``:
+    the document the next block starts in and how many of its tokens are already emitted, so that a stream restarted
+    there with ``first_doc=doc, skip=offset`` continues token for token. The partial block left at the end is dropped.
+    """
     block = seq_len + 1
-    buf_t = np.zeros(0, np.int32)
-    buf_d = np.zeros(0, np.int32)
-    count = 0
-    for i, doc in enumerate(docs):
-        t, d = concatenate([doc], eos_id, first_doc_id=i)
-        buf_t, buf_d = np.concatenate([buf_t, t]), np.concatenate([buf_d, d])
+    buf_t = buf_d = buf_b = np.zeros(0, np.int64)
+    heads = deque()  # [doc id, stream position of its first buffered token, its tokens emitted before that]
+    read = emitted = count = 0
+    doc = first_doc
+    for tokens, nbytes in docs:
+        t = np.append(np.asarray(tokens, np.int64), eos_id)[skip:]
+        buf_t = np.concatenate([buf_t, t])
+        buf_d = np.concatenate([buf_d, np.full(len(t), doc, np.int64)])
+        if nbytes is not None:
+            buf_b = np.concatenate([buf_b, np.append(np.asarray(nbytes, np.int64), 0)[skip:]])
+        heads.append([doc, read, skip])
+        read, doc, skip = read + len(t), doc + 1, 0
         while len(buf_t) >= block:
-            yield {
-                "tokens": torch.from_numpy(buf_t[:block].astype(np.int64)),
-                "doc_ids": torch.from_numpy(buf_d[:block].astype(np.int64)),
+            item = {
+                "tokens": torch.from_numpy(buf_t[:block].copy()),
+                "doc_ids": torch.from_numpy(buf_d[:block].copy()),
                 "index": count,
             }
-            count += 1
+            if nbytes is not None:
+                item["bytes"] = int(buf_b[1:block].sum())
+                buf_b = buf_b[block:]
             buf_t, buf_d = buf_t[block:], buf_d[block:]
+            count, emitted = count + 1, emitted + block
+            if not positions:
+                yield item
+                continue
+            while len(heads) > 1 and heads[1][1] <= emitted:
+                heads.popleft()
+            if emitted == read:
+                yield item, (doc, 0)
+            else:
+                head, start, before = heads[0]
+                yield item, (head, before + emitted - start)
 
 
 class EndlessSampler(Sampler[int]):

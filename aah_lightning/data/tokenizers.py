@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -13,11 +14,17 @@ class ByteTokenizer:
     """UTF-8 bytes are the tokens (0..255); 256 is the end-of-document token."""
 
     name = "byte"
+    fingerprint = "byte"
     vocab_size = 257
     eos_id = 256
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the UTF-8 bytes of text each one encodes (one each)."""
+        ids = self.encode(text)
+        return ids, np.ones(len(ids), np.int64)
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -57,6 +64,7 @@ class HFTokenizer:
             eos = self.vocab_size
             self.vocab_size += 1
         self.eos_id = eos
+        self.fingerprint = hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -64,8 +72,37 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.encode_batch_with_bytes([text])[0]
+
+    def encode_batch_with_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Token ids and the UTF-8 bytes of text each token encodes (see ``token_byte_lengths``)."""
+        out = []
+        for text, enc in zip(texts, self.tok.encode_batch(texts, add_special_tokens=False)):
+            out.append((np.asarray(enc.ids, dtype=np.int32), token_byte_lengths(text, enc.offsets)))
+        return out
+
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+def token_byte_lengths(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
+    """UTF-8 bytes of ``text`` per token, from the tokens' character offsets: a token owns the text from its start to
+    the next token's start (the first from the beginning, the last to the end), so the counts of a document add up to
+    its size in bytes exactly, whatever the tokenizer drops or merges. Tokens that share a start (pieces of one
+    character) count 0 but the last."""
+    if not offsets:
+        return np.zeros(0, np.int64)
+    starts = np.maximum.accumulate(np.array([o[0] for o in offsets], np.int64))
+    starts[0] = 0
+    if text.isascii():
+        char_end = np.arange(len(text) + 1, dtype=np.int64)
+    else:  # bytes before each character: 1 to 4 per code point
+        cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        width = 1 + (cp >= 0x80) + (cp >= 0x800) + (cp >= 0x10000)
+        char_end = np.concatenate([[0], np.cumsum(width, dtype=np.int64)])
+    begin = char_end[np.minimum(starts, len(text))]
+    return np.diff(np.append(begin, char_end[-1]))
 
 
 def load_tokenizer(spec: str):

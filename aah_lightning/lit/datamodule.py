@@ -1,4 +1,9 @@
-"""LightningDataModule: corpus -> tokens -> packed ``seq_len + 1`` blocks -> train / val loaders.
+"""LightningDataModule: corpus -> token stream -> ``seq_len + 1`` blocks -> train / val / test loaders.
+
+Map-style corpora are token folders (``data/token_folder.py``), read by memory-mapping: ``stdlib`` and ``files`` are
+tokenized once into a folder under the cache folder (``data/prepare.py``), ``tokens`` names a prepared one. Blocks are
+slices of the stream; the held-out blocks are its tail (validation last, test before it). Streamed corpora (``hub``)
+go through ``data/streaming.py``.
 
 Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
 permutations), streamed ones through ``split_dataset_by_node``. The training position is part of every checkpoint
@@ -7,99 +12,39 @@ permutations), streamed ones through ``split_dataset_by_node``. The training pos
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import warnings
-import zlib
-from collections import deque
+import os
 from typing import Literal, Optional, get_args
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
-from aah_lightning.data import corpora
-from aah_lightning.data.packing import EndlessSampler, PackedBlocks, concatenate, pack_stream
+from aah_lightning.data import corpora, prepare
+from aah_lightning.data.packing import EndlessSampler, TokenBlocks
 from aah_lightning.data.prompts import prompt_loader
+from aah_lightning.data.streaming import StreamedBlocks, held_out_head
 from aah_lightning.data.synthetic import synthetic_documents
+from aah_lightning.data.token_folder import TokenStream, open_folder, read_meta
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.lit.distributed import gather
 
-# Lightning warns on every mid-epoch resume unless the loader has its own state_dict. This data module positions its
-# loaders from the checkpoint itself (``state_dict`` / ``_map_position``), so the warning would be wrong here.
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-
-Source = Literal["stdlib", "files", "hub", "synthetic"]
+Source = Literal["stdlib", "files", "tokens", "hub", "synthetic"]
 SOURCES = get_args(Source)
 
 
-def _text_key(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+class PositionedLoader(DataLoader):
+    """A DataLoader the data module positions itself (``TextDataModule._map_position`` and the stream positions in
+    its ``state_dict``). Having a state of its own (nothing to add) tells Lightning a mid-epoch resume is exact."""
 
+    def state_dict(self) -> dict:
+        return {}
 
-class _StreamedBlocks(IterableDataset):
-    """Packed blocks from one rank's shard of a streamed dataset, without the held-out validation documents.
-
-    ``endless``: pass after pass (step-based runs), else one pass per iteration (one Lightning epoch).
-
-    Resumable: every block carries, as the JSON string ``resume``, the stream position after it: the datasets
-    position before the oldest document that still has tokens in the packing buffer, how many of its tokens were
-    already emitted, its document id, the pass and the block count. Restarting from that position re-reads that one
-    document and continues token for token. The data module takes ``resume`` off each batch before the model sees it.
-    """
-
-    def __init__(self, dataset, tokenizer, seq_len: int, exclude: frozenset, endless: bool, initial: dict):
-        self.dataset, self.tokenizer, self.seq_len = dataset, tokenizer, seq_len
-        self.exclude, self.endless = exclude, endless
-        self.initial = initial  # the datasets position before the first document of a pass
-        self.start: dict | None = None  # {worker id: position} where the next iteration begins, after a restore
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        pos = (self.start or {}).get(str(worker)) or {"pass": 0, "hf": self.initial, "offset": 0, "doc": 0, "block": 0}
-        block, eos = self.seq_len + 1, self.tokenizer.eos_id
-        epoch, doc, count, skip, hf = pos["pass"], pos["doc"], pos["block"], pos["offset"], pos["hf"]
-        while True:
-            self.dataset.load_state_dict(hf)
-            buf_t = buf_d = np.zeros(0, np.int64)
-            docs = deque()  # [position before the document, its id, tokens in the buffer, tokens already emitted]
-            before = hf
-            for row in self.dataset:
-                after = self.dataset.state_dict()
-                text = row["text"]
-                if not text or _text_key(text) in self.exclude:
-                    before = after
-                    continue
-                toks = np.append(np.asarray(self.tokenizer.encode(text), np.int64), eos)[skip:]
-                docs.append([before, doc, len(toks), skip])
-                buf_t = np.concatenate([buf_t, toks])
-                buf_d = np.concatenate([buf_d, np.full(len(toks), doc, np.int64)])
-                doc, skip, before = doc + 1, 0, after
-                while len(buf_t) >= block:
-                    item = {"tokens": torch.from_numpy(buf_t[:block]), "doc_ids": torch.from_numpy(buf_d[:block])}
-                    buf_t, buf_d = buf_t[block:], buf_d[block:]
-                    used = block
-                    while used:  # drop the emitted tokens from the document records
-                        take = min(used, docs[0][2])
-                        docs[0][2] -= take
-                        docs[0][3] += take
-                        used -= take
-                        if docs[0][2] == 0:
-                            docs.popleft()
-                    count += 1
-                    head = docs[0] if docs else [after, doc, 0, 0]
-                    state = {"worker": worker, "pass": epoch, "hf": head[0], "offset": head[3], "doc": head[1],
-                             "block": count}
-                    yield {**item, "index": count - 1, "resume": json.dumps(state)}
-            # End of a pass: the partial block left over is dropped, as the packer always does.
-            epoch, hf, skip = epoch + 1, self.initial, 0
-            if not self.endless:
-                return
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class TextDataModule(L.LightningDataModule):
@@ -110,41 +55,54 @@ class TextDataModule(L.LightningDataModule):
         batch_size: int = 16,
         tokenizer: str = "byte",
         paths: Optional[list[str]] = None,
+        path: Optional[str] = None,
         text_field: str = "text",
         hub_name: Optional[str] = None,
         hub_config: Optional[str] = None,
         hub_split: str = "train",
         val_fraction: float = 0.02,
+        test_fraction: float = 0.01,
         val_blocks: int = 64,
+        test_blocks: int = 64,
         max_documents: Optional[int] = None,
         synthetic_documents: int = 2000,
         synthetic_vocab: int = 64,
         synthetic_distance: Optional[int] = None,
         num_workers: int = 0,
+        num_proc: Optional[int] = None,
         seed: int = 1234,
         cache_dir: Optional[str] = None,
         prompts: Optional[str] = None,
     ):
         """
         Args:
-            source: stdlib (embedded default corpus, no network), files, hub (streamed) or synthetic.
+            source: stdlib (embedded default corpus, no network), files, tokens (a prepared token folder), hub
+                (streamed) or synthetic.
             seq_len: tokens per training sequence (blocks hold seq_len + 1).
             batch_size: sequences per batch and rank.
-            tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder.
+            tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder. For
+                source=tokens, the tokenizer the folder was prepared with.
             paths: files or glob patterns for source=files (.txt, .jsonl/.json, .parquet).
+            path: the token folder for source=tokens (written by aah-prepare).
             text_field: the text column of json/parquet files and hub datasets.
             hub_name: hub dataset name for source=hub.
             hub_config: the hub dataset's configuration (subset), if it has several.
             hub_split: the hub dataset's split to read.
-            val_fraction: share of the token stream held out for validation (map-style sources).
-            val_blocks: number of held-out blocks for source=hub.
+            val_fraction: share of the blocks held out for validation: the tail of the seeded stream (map-style).
+            test_fraction: share of the blocks held out for ``aah test``: the blocks just before validation.
+            val_blocks: number of held-out validation blocks for source=hub (the head of the stream).
+            test_blocks: number of held-out test blocks for source=hub (after the validation blocks).
             max_documents: use only the first N documents (after the seeded shuffle); None = all.
             synthetic_documents: number of synthetic documents (source=synthetic).
             synthetic_vocab: symbols of the synthetic language.
             synthetic_distance: long-range copy distance; default seq_len // 2.
             num_workers: DataLoader workers.
-            seed: seeds the document order, the split and the training order.
-            cache_dir: Hugging Face datasets cache for source=files.
+            num_proc: tokenizer processes when a token folder is prepared; default 1 for corpora under 64 MB of
+                text, else up to 4.
+            seed: seeds the document order, the split and the training order (for source=tokens the folder's
+                document order was fixed when it was prepared; the seed orders training).
+            cache_dir: where token folders of stdlib/files are kept (under tokens/); default $AAH_CACHE_DIR or
+                ~/.cache/aah. Also the Hugging Face datasets cache for source=files, when given.
             prompts: aah predict's prompts: a text file (one prompt per line) or JSONL with a 'prompt' field.
         """
         super().__init__()
@@ -152,18 +110,27 @@ class TextDataModule(L.LightningDataModule):
         require(isinstance(seq_len, int) and seq_len > 0, "data.seq_len", seq_len, "a positive integer")
         require(isinstance(batch_size, int) and batch_size > 0, "data.batch_size", batch_size, "a positive integer")
         require(0.0 < val_fraction < 1.0, "data.val_fraction", val_fraction, "a number in (0, 1)")
+        require(0.0 <= test_fraction < 1.0 - val_fraction, "data.test_fraction", test_fraction,
+                f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})")
+        require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
         if source == "files":
             corpora.expand_paths(paths or [])  # fail now, not after the model is built
         if source == "hub":
             require(bool(hub_name), "data.hub_name", hub_name, "a dataset name when data.source='hub'")
+        if source == "tokens":
+            require(bool(path), "data.path", path, "a token folder (written by aah-prepare) when data.source='tokens'")
         self.save_hyperparameters()
+        self.prepare_data_per_node = True  # token folders live in each node's cache folder
         if source == "synthetic":
             self.tokenizer = None
             self._vocab, self._eos = synthetic_vocab + 1, synthetic_vocab
         else:
             self.tokenizer = load_tokenizer(tokenizer)
             self._vocab, self._eos = self.tokenizer.vocab_size, self.tokenizer.eos_id
-        self.train_set = self.val_set = None
+        if source == "tokens":
+            self._check_folder_tokenizer(read_meta(path, "data.path"))
+        self.train_set = self.val_set = self.test_set = None
+        self._source: dict | None = None  # the description of stdlib / files text (``_describe_source``)
         self._restored: dict | None = None  # the data state of the checkpoint being resumed
         self._stream_position: dict = {}  # {worker id: position after the last block trained on} (streams)
 
@@ -171,26 +138,68 @@ class TextDataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         return self._vocab
 
-    # -- building the datasets -------------------------------------------------------------------------------------
-    def _documents(self) -> list[np.ndarray]:
+    # -- token folders ---------------------------------------------------------------------------------------------
+    def _check_folder_tokenizer(self, meta: dict) -> None:
+        """A folder of another tokenizer or vocabulary would train the model on ids that mean something else."""
+        tok = self.tokenizer
+        theirs = (meta["tokenizer"]["name"], meta["tokenizer"]["fingerprint"], meta["vocab_size"], meta["eos_id"])
+        if theirs != (tok.name, tok.fingerprint, tok.vocab_size, tok.eos_id):
+            raise ConfigError(
+                f"data.path={self.hparams.path!r} holds tokens of tokenizer {theirs[0]!r} (vocabulary {theirs[2]}, "
+                f"end-of-document {theirs[3]}), but data.tokenizer={self.hparams.tokenizer!r} has vocabulary "
+                f"{tok.vocab_size}, end-of-document {tok.eos_id}" + (" and other merges" if theirs[2] == tok.vocab_size
+                                                                     else "")
+                + ": set data.tokenizer to the folder's tokenizer, or prepare the folder with this one"
+            )
+
+    def _describe_source(self) -> dict:
+        if self._source is None:  # once: it reads every file's size and time
+            hp = self.hparams
+            self._source = prepare.describe_source(hp.source, hp.paths, hp.text_field)
+        return self._source
+
+    def _cached_folder(self) -> str:
+        hp = self.hparams
+        key = prepare.folder_key(self._describe_source(), self.tokenizer, hp.seed, hp.max_documents)
+        return os.path.join(prepare.cache_root(hp.cache_dir), key)
+
+    def prepare_data(self) -> None:
+        """Tokenize stdlib / files into the cache once (Lightning calls this on one process per node)."""
+        hp = self.hparams
+        if hp.source not in ("stdlib", "files"):
+            return
+        folder = self._cached_folder()
+        if os.path.isdir(folder):
+            try:
+                open_folder(folder, "the cached token folder")
+                return
+            except ConfigError as e:  # a damaged cache entry is rebuilt, not trusted
+                rank_zero_warn(f"{e}; tokenizing again")
+                import shutil
+
+                shutil.rmtree(folder, ignore_errors=True)
+        prepare.prepared_folder(folder, self._describe_source(), self.tokenizer, hp.seed, hp.max_documents,
+                                hp.num_proc, hp.cache_dir, setting="the cached token folder")
+
+    def _token_stream(self) -> TokenStream:
         hp = self.hparams
         if hp.source == "synthetic":
             distance = hp.synthetic_distance or hp.seq_len // 2
             require(
                 0 < distance < hp.seq_len, "data.synthetic_distance", distance, f"in [1, seq_len={hp.seq_len})"
             )
-            return synthetic_documents(hp.synthetic_documents, hp.seq_len, distance, hp.synthetic_vocab, seed=hp.seed)
-        ds = corpora.stdlib_corpus() if hp.source == "stdlib" else corpora.file_corpus(hp.paths, hp.text_field, hp.cache_dir)
-        texts = ds["text"]
-        # A seeded, content-independent document order: the split is the same on every machine and rank.
-        order = sorted(range(len(texts)), key=lambda i: zlib.crc32(f"{hp.seed}:{i}".encode()))
-        if hp.max_documents:
-            order = order[: hp.max_documents]
-        texts = [texts[i] for i in order if texts[i]]
-        if hasattr(self.tokenizer, "encode_batch"):
-            return self.tokenizer.encode_batch(texts)
-        return [self.tokenizer.encode(t) for t in texts]
+            docs = synthetic_documents(hp.synthetic_documents, hp.seq_len, distance, hp.synthetic_vocab, seed=hp.seed)
+            return TokenStream.from_documents(docs, self._eos)
+        if hp.source == "tokens":
+            stream, meta = open_folder(hp.path, "data.path")
+            self._check_folder_tokenizer(meta)
+            return stream
+        folder = self._cached_folder()
+        if not os.path.isdir(folder):  # not prepared by the Trainer (this module used on its own)
+            self.prepare_data()
+        return open_folder(folder, "the cached token folder")[0]
 
+    # -- building the datasets -------------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None or stage == "predict":  # predict reads only the prompts
             return
@@ -198,38 +207,35 @@ class TextDataModule(L.LightningDataModule):
         if hp.source == "hub":
             self._setup_stream()
             return
-        docs = self._documents()
-        tokens, doc_ids = concatenate(docs, self._eos)
+        stream = self._token_stream()
+        what = f"data.path={hp.path!r}" if hp.source == "tokens" else f"data.source={hp.source!r}"
         block = hp.seq_len + 1
-        n_blocks = len(tokens) // block
-        if len(tokens) == 0:
-            raise ConfigError(f"data.source={hp.source!r} gave an empty corpus (no tokens): check data.paths")
-        if n_blocks < 2:
+        n_blocks = len(stream) // block
+        if len(stream) == 0:
+            raise ConfigError(f"{what} gave an empty corpus (no tokens): check data.paths")
+        world = self._rank_world()[1]  # every rank validates (and tests) on at least one block of its own
+        n_val = max(world, int(round(n_blocks * hp.val_fraction)))
+        n_test = max(world, int(round(n_blocks * hp.test_fraction))) if hp.test_fraction > 0 else 0
+        if n_blocks < n_val + n_test + world:
             raise ConfigError(
-                f"the corpus has {len(tokens)} tokens, fewer than two blocks of data.seq_len+1={block}: "
-                f"use more data or a smaller data.seq_len"
+                f"{what} has {len(stream)} tokens, {n_blocks} blocks of data.seq_len+1={block}: too few to hold out "
+                f"{n_val} validation and {n_test} test blocks and train {world} process(es): use more data or a "
+                f"smaller data.seq_len"
             )
-        world = self._rank_world()[1]  # every rank validates on at least one block of its own
-        n_val = min(max(world, int(round(n_blocks * hp.val_fraction))), n_blocks - 1)
-        cut = (n_blocks - n_val) * block
-        self.train_set = PackedBlocks(tokens[:cut], doc_ids[:cut], hp.seq_len)
-        self.val_set = PackedBlocks(tokens[cut:], doc_ids[cut:], hp.seq_len)
+        n_train = n_blocks - n_val - n_test
+        # [ train | test | validation ]: validation is the tail of the seeded document stream, as it always was.
+        self.train_set = TokenBlocks(stream, hp.seq_len, 0, n_train)
+        self.test_set = TokenBlocks(stream, hp.seq_len, n_train, n_test)
+        self.val_set = TokenBlocks(stream, hp.seq_len, n_train + n_test, n_val)
 
     def _setup_stream(self) -> None:
         hp = self.hparams
         ds = corpora.hub_corpus(hp.hub_name, hp.hub_config, hp.hub_split, hp.text_field)
         if hp.text_field != "text":
             ds = ds.rename_column(hp.text_field, "text")
-        # Validation: the first documents of the stream, read by every rank. Training leaves them out wherever the
-        # split below puts them (by content: ``skip`` before a split would skip per shard, not the stream's head).
         initial = ds.state_dict()  # taken before any reading: afterwards it reports where reading stopped
-        val, held_out = [], []
-        docs = (self.tokenizer.encode(t) for t in _Recording((row["text"] for row in ds), held_out))
-        for item in pack_stream(docs, self._eos, hp.seq_len):
-            val.append(item)
-            if len(val) >= hp.val_blocks:
-                break
-        self.val_set = val
+        self.val_set, self.test_set, exclude = held_out_head(ds, self.tokenizer, hp.seq_len, hp.val_blocks,
+                                                             hp.test_blocks)
         rank, world = self._rank_world()
         if world > 1:
             from datasets.distributed import split_dataset_by_node
@@ -238,8 +244,7 @@ class TextDataModule(L.LightningDataModule):
             ds = split_dataset_by_node(ds, rank=rank, world_size=world)
             initial = ds.state_dict()  # a new dataset, not read yet
         endless = self.trainer is None or self.trainer.max_steps > 0
-        exclude = frozenset(_text_key(t) for t in held_out)
-        self.train_set = _StreamedBlocks(ds, self.tokenizer, hp.seq_len, exclude, endless, initial)
+        self.train_set = StreamedBlocks(ds, self.tokenizer, hp.seq_len, exclude, endless, initial)
         if self._restored is not None:
             self._apply_restored_stream(rank, world)
 
@@ -278,13 +283,13 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         if isinstance(self.train_set, IterableDataset):
-            return DataLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
+            return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
         rank, world = self._rank_world()
         consumed, length = self._map_position()
         sampler = EndlessSampler(
             len(self.train_set), hp.seed, length=max(0, length), rank=rank, world_size=world, start=consumed
         )
-        return DataLoader(
+        return PositionedLoader(
             self.train_set,
             batch_size=hp.batch_size,
             sampler=sampler,
@@ -293,18 +298,23 @@ class TextDataModule(L.LightningDataModule):
             persistent_workers=hp.num_workers > 0,
         )
 
-    def val_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        data = self.val_set
+    def _held_out_loader(self, data) -> DataLoader:
         rank, world = self._rank_world()
-        if world > 1 and not isinstance(data, list):  # each rank validates its own contiguous-stride shard
+        if world > 1 and not isinstance(data, list):  # each rank evaluates its own contiguous-stride shard
             data = torch.utils.data.Subset(data, list(range(rank, len(data), world)))
         elif world > 1:
             data = data[rank::world]
+        hp = self.hparams
         return DataLoader(data, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
 
+    def val_dataloader(self) -> DataLoader:
+        return self._held_out_loader(self.val_set)
+
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        if not len(self.test_set):
+            setting = "data.test_blocks" if self.hparams.source == "hub" else "data.test_fraction"
+            raise ConfigError(f"{setting}=0 holds out no test blocks: set it above 0 to run aah test")
+        return self._held_out_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
         hp = self.hparams
@@ -314,7 +324,7 @@ class TextDataModule(L.LightningDataModule):
     def _layout(self) -> dict:
         """What the position means: a resume is exact only if these match."""
         hp, trainer = self.hparams, self.trainer
-        return {
+        layout = {
             "source": hp.source,
             "seed": hp.seed,
             "batch_size": hp.batch_size,
@@ -322,6 +332,9 @@ class TextDataModule(L.LightningDataModule):
             "world_size": self._rank_world()[1],
             "num_workers": hp.num_workers if hp.source == "hub" else 0,
         }
+        if isinstance(self.train_set, TokenBlocks):  # the permutation is of this many blocks
+            layout["train_blocks"] = len(self.train_set)
+        return layout
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Streamed training batches carry their positions; keep the last one per worker, drop them from the batch.
@@ -329,7 +342,7 @@ class TextDataModule(L.LightningDataModule):
             for text in batch.pop("resume"):
                 position = json.loads(text)
                 self._stream_position[str(position.pop("worker"))] = position
-            if isinstance(self.train_set, _StreamedBlocks):
+            if isinstance(self.train_set, StreamedBlocks):
                 self.train_set.start = None  # used by the first iteration after a restore only
         return batch
 
@@ -341,7 +354,7 @@ class TextDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return {}
         state = {"layout": self._layout()}
-        if isinstance(self.train_set, _StreamedBlocks):
+        if isinstance(self.train_set, StreamedBlocks):
             state["streams"] = gather(dict(self._stream_position))
         return state
 
@@ -349,14 +362,15 @@ class TextDataModule(L.LightningDataModule):
         if not state:
             return
         self._restored = state
-        changed = {k: (v, self._layout()[k]) for k, v in state["layout"].items() if self._layout().get(k) != v}
+        layout = self._layout()
+        changed = {k: (v, layout.get(k)) for k, v in state["layout"].items() if layout.get(k) != v}
         if changed:
             rank_zero_warn(
                 "resuming with another data layout ("
                 + ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
                 + "): training continues, but not with the batches the interrupted run would have seen"
             )
-        if isinstance(self.train_set, _StreamedBlocks):
+        if isinstance(self.train_set, StreamedBlocks):
             self._apply_restored_stream(*self._rank_world())
 
     def _apply_restored_stream(self, rank: int, world: int) -> None:
@@ -371,15 +385,3 @@ class TextDataModule(L.LightningDataModule):
             return
         self._stream_position = dict(streams[rank])
         self.train_set.start = dict(streams[rank])
-
-
-class _Recording:
-    """Wraps an iterator and keeps the items taken from it."""
-
-    def __init__(self, it, out: list):
-        self.it, self.out = it, out
-
-    def __iter__(self):
-        for x in self.it:
-            self.out.append(x)
-            yield x

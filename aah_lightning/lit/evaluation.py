@@ -5,12 +5,16 @@
   queries before position W, so a window's cost shows in the buckets from W on; evaluated at a longer sequence than
   trained, the buckets past the trained length show how a model extrapolates. Logged as
   ``val/loss_by_position/<first>-<last>`` (and ``test/...``), token-weighted, summed over ranks.
+* ``BitsPerByte``: the loss in bits per byte of the text the predicted tokens encode (``val/bpb``, ``test/bpb``):
+  comparable across tokenizers.
 * ``widen_full_windows``: a checkpoint evaluated (or trained on) at a longer sequence than it was trained on. A head
   whose window was the whole trained context (W >= T) was trained to see everything, so it keeps the whole context
   at the new length; shorter windows keep their size, and RoPE is computed for any length.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -59,6 +63,25 @@ class PositionLoss(Metric):
             lo, hi = bucket_range(i, int(self.length))
             out[f"{lo}-{hi}"] = (self.total[i] / self.count[i]).float()
         return out
+
+
+class BitsPerByte(Metric):
+    """Cross-entropy in bits per byte of text: summed nats / (ln 2 x summed UTF-8 bytes the predicted tokens encode).
+
+    Comparable across tokenizers. End-of-document tokens are predicted (their loss counts) but encode no text.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("nats", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("bytes", torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, mean_loss: torch.Tensor, n_tokens: int, n_bytes: torch.Tensor) -> None:
+        self.nats += mean_loss.detach().double() * n_tokens
+        self.bytes += n_bytes.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.nats / (math.log(2) * self.bytes)
 
 
 def widen_full_windows(checkpoint: dict, seq_len: int) -> None:

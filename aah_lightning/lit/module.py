@@ -20,7 +20,7 @@ from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
-from aah_lightning.lit.evaluation import PositionLoss, widen_full_windows
+from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
@@ -119,6 +119,7 @@ class AAHModule(L.LightningModule):
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
+        self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
@@ -184,8 +185,11 @@ class AAHModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         losses = self._token_losses(batch)
-        self.val_loss.update(losses.mean(), weight=batch["tokens"].shape[0])
+        loss = losses.mean()
+        self.val_loss.update(loss, weight=batch["tokens"].shape[0])
         self.val_position_loss.update(losses)
+        if "bytes" in batch:
+            self.val_bpb.update(loss, losses.numel(), batch["bytes"])
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -194,11 +198,17 @@ class AAHModule(L.LightningModule):
         self.val_loss.reset()
         self.log_dict({f"val/loss_by_position/{k}": v for k, v in self.val_position_loss.compute().items()})
         self.val_position_loss.reset()
+        if self.val_bpb.update_count:
+            self.log("val/bpb", self.val_bpb.compute().float())
+            self.val_bpb.reset()
 
     def test_step(self, batch, batch_idx: int) -> None:
         losses = self._token_losses(batch)
-        self.test_loss.update(losses.mean(), weight=batch["tokens"].shape[0])
+        loss = losses.mean()
+        self.test_loss.update(loss, weight=batch["tokens"].shape[0])
         self.test_position_loss.update(losses)
+        if "bytes" in batch:
+            self.test_bpb.update(loss, losses.numel(), batch["bytes"])
 
     def on_test_epoch_end(self) -> None:
         loss = self.test_loss.compute()
@@ -207,6 +217,9 @@ class AAHModule(L.LightningModule):
         self.test_loss.reset()
         self.log_dict({f"test/loss_by_position/{k}": v for k, v in self.test_position_loss.compute().items()})
         self.test_position_loss.reset()
+        if self.test_bpb.update_count:
+            self.log("test/bpb", self.test_bpb.compute().float())
+            self.test_bpb.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> list:
         """Continue every prompt of the batch (data/prompts.py) with the per-head window KV cache."""
