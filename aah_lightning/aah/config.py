@@ -39,8 +39,10 @@ class ControllerConfig:
         paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
             paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
         coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
-        target_acr / target_causal_coverage: optional compute budget (at most one of them): a ceiling on the mean
+        target_acr: optional compute budget as a mean window / T (ACR; at most one budget): a ceiling on the mean
             per-head cost of each layer, or of the whole model (``budget_scope``).
+        target_causal_coverage: optional compute budget as causal coverage (at most one budget), per layer or for
+            the whole model (``budget_scope``).
         budget_scope: ``layer`` (each layer within the budget; the ``reach`` allocator shares it top-down) or
             ``model`` (one budget for all layers: ``controller/budget.py`` chooses every group's window at once,
             maximising the kept attention mass; ``reach`` only).
