@@ -99,7 +99,7 @@ class WindowKVCache:
     """Per layer, ring buffers of keys and values (after RoPE) for each group of heads with the same slot count."""
 
     def __init__(self, model: GPT, batch: int, max_len: int):
-        self.batch, self.max_len = batch, max_len
+        self.max_len = max_len
         self.slots = slot_counts(model.planner.rows(model.windows), max_len)
         device = model.windows.device
         self.layers: list[list[_Group]] = []
