@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Optional
 
 import lightning as L
@@ -169,8 +170,6 @@ class TextDataModule(L.LightningDataModule):
                 return
             except ConfigError as e:  # a damaged cache entry is rebuilt, not trusted
                 rank_zero_warn(f"{e}; tokenizing again")
-                import shutil
-
                 shutil.rmtree(folder, ignore_errors=True)
         prepare.prepared_folder(folder, self._describe_source(), self.tokenizer, hp.seed, hp.max_documents,
                                 hp.num_proc, hp.cache_dir, setting="the cached token folder")
