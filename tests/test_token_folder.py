@@ -345,3 +345,13 @@ def test_prepare_command_is_idempotent_and_refuses_in_one_line(tmp_path, capsys)
             prepare.main(bad)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("aah-prepare: error: --out=")
+
+
+def test_a_hub_dataset_is_prepared_like_local_files(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(corpora, "hub_dataset", lambda *a, **k: datasets.Dataset.from_dict({"text": TEXTS}))
+    prepare.main(["--source", "hub", "--hub_name", "local/fake", "--out", str(tmp_path / "hub"), "--seed", "3"])
+    stream, meta = open_folder(str(tmp_path / "hub"))
+    tokens, _ = _in_memory(TEXTS, ByteTokenizer(), 3)
+    assert np.array_equal(stream.tokens, tokens) and meta["source"]["name"] == "local/fake"

@@ -119,30 +119,29 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
     text_bytes = ds.data.nbytes * repeat
     if num_proc is None:
         num_proc = 1 if text_bytes < SMALL_CORPUS else min(4, os.cpu_count() or 1)
-    work = f"{os.path.abspath(out)}.work"
-    os.makedirs(work, exist_ok=True)
-    if num_proc > 1 and not ds.cache_files:  # in memory: workers would each get a pickled copy; map it from disk
-        ds.save_to_disk(os.path.join(work, "source"))
-        ds = datasets.load_from_disk(os.path.join(work, "source"))
-    if repeat > 1:  # copies of a memory-mapped table share its file: nothing is held twice
-        ds = datasets.concatenate_datasets([ds] * repeat)
-    ds = ds.select(document_order(len(ds), seed, max_documents))
+    in_memory = text_bytes < SMALL_CORPUS and num_proc == 1  # small: tokenized in memory (faster), else on disk
     dtype = token_dtype(tokenizer.vocab_size).name
     byte_level = tokenizer.name == "byte"
-    tokens = ds.with_format("arrow").map(
-        _tokenize,
-        batched=True,
-        batch_size=256,
-        num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"tokenizer": tokenizer, "dtype": dtype},
-        remove_columns=ds.column_names,
-        # Large corpora are tokenized into Arrow files on disk (memory stays bounded); small ones in memory (faster).
-        keep_in_memory=text_bytes < SMALL_CORPUS and num_proc == 1,
-        cache_file_name=None if text_bytes < SMALL_CORPUS and num_proc == 1 else os.path.join(work, "tokens.arrow"),
-        desc=f"tokenizing ({tokenizer.name})",
-    )
     writer = FolderWriter(out, tokenizer.vocab_size, tokenizer.eos_id, with_bytes=not byte_level)
+    work = os.path.join(writer.tmp, "work")  # the Arrow files of this prepare: gone with it, whatever happens
     try:
+        if num_proc > 1 and not ds.cache_files:  # in memory: workers would each get a pickled copy; map it from disk
+            ds.save_to_disk(os.path.join(work, "source"))
+            ds = datasets.load_from_disk(os.path.join(work, "source"))
+        if repeat > 1:  # copies of a memory-mapped table share its file: nothing is held twice
+            ds = datasets.concatenate_datasets([ds] * repeat)
+        ds = ds.select(document_order(len(ds), seed, max_documents))
+        tokens = ds.with_format("arrow").map(
+            _tokenize,
+            batched=True,
+            batch_size=256,
+            num_proc=num_proc if num_proc > 1 else None,
+            fn_kwargs={"tokenizer": tokenizer, "dtype": dtype},
+            remove_columns=ds.column_names,
+            keep_in_memory=in_memory,
+            cache_file_name=None if in_memory else os.path.join(work, "tokens.arrow"),
+            desc=f"tokenizing ({tokenizer.name})",
+        )
         bar = tqdm(total=len(tokens), desc="writing token folder", unit="doc", disable=not progress)
         for batch in _record_batches(tokens):
             ids = batch.column("ids")
@@ -152,15 +151,14 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
             writer.add(ids.flatten().to_numpy(), lengths, nbytes)
             bar.update(len(keep))
         bar.close()
+        del tokens, ds
+        shutil.rmtree(work, ignore_errors=True)
         meta = {**meta, "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
                 "seed": seed, "max_documents": max_documents, "dtype": dtype}
-        path = writer.finish(meta)
+        return writer.finish(meta)
     except BaseException:
         writer.abort()
         raise
-    del tokens
-    shutil.rmtree(work, ignore_errors=True)
-    return path
 
 
 def _record_batches(ds):

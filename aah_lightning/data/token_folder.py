@@ -218,11 +218,11 @@ def remove_stale_partials(out: str) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process
-        return True
+    except PermissionError:  # it exists, as another user's
+        pass
     return True
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Literal, Optional, get_args
 
 import lightning as L
@@ -144,12 +145,12 @@ class TextDataModule(L.LightningDataModule):
         tok = self.tokenizer
         theirs = (meta["tokenizer"]["name"], meta["tokenizer"]["fingerprint"], meta["vocab_size"], meta["eos_id"])
         if theirs != (tok.name, tok.fingerprint, tok.vocab_size, tok.eos_id):
+            other = " (another tokenizer file)" if theirs[1] != tok.fingerprint and theirs[0] == tok.name else ""
             raise ConfigError(
                 f"data.path={self.hparams.path!r} holds tokens of tokenizer {theirs[0]!r} (vocabulary {theirs[2]}, "
-                f"end-of-document {theirs[3]}), but data.tokenizer={self.hparams.tokenizer!r} has vocabulary "
-                f"{tok.vocab_size}, end-of-document {tok.eos_id}" + (" and other merges" if theirs[2] == tok.vocab_size
-                                                                     else "")
-                + ": set data.tokenizer to the folder's tokenizer, or prepare the folder with this one"
+                f"end-of-document {theirs[3]}), but data.tokenizer={self.hparams.tokenizer!r}{other} has vocabulary "
+                f"{tok.vocab_size}, end-of-document {tok.eos_id}: set data.tokenizer to the folder's tokenizer, or "
+                f"prepare the folder with this one"
             )
 
     def _describe_source(self) -> dict:
@@ -175,8 +176,6 @@ class TextDataModule(L.LightningDataModule):
                 return
             except ConfigError as e:  # a damaged cache entry is rebuilt, not trusted
                 rank_zero_warn(f"{e}; tokenizing again")
-                import shutil
-
                 shutil.rmtree(folder, ignore_errors=True)
         prepare.prepared_folder(folder, self._describe_source(), self.tokenizer, hp.seed, hp.max_documents,
                                 hp.num_proc, hp.cache_dir, setting="the cached token folder")
