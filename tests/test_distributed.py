@@ -37,7 +37,10 @@ def _cpu_config(folder) -> str:
             "n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False,
             "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
         },
-        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 64},
+        # No test split: the block count these steps were sized on, so no epoch boundary falls inside a step (where
+        # the two ranks may then meet the same block, once in each epoch's permutation).
+        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 64,
+                 "test_fraction": 0.0},
     }
     os.makedirs(folder, exist_ok=True)
     (folder / "cpu.yaml").write_text(yaml.safe_dump(cfg))
