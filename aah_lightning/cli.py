@@ -24,9 +24,9 @@ from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
@@ -150,7 +150,12 @@ class AAHCLI(LightningCLI):
         unless the config gives the logger a version or points it elsewhere."""
         logger, spec = self.trainer.logger, self.config[self.subcommand]["trainer"].get("logger")
         init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
-        if logger is None or len(self.trainer.loggers) != 1 or init_args is None or init_args.get("version") is not None:
+        if (
+            logger is None
+            or len(self.trainer.loggers) != 1
+            or init_args is None
+            or init_args.get("version") is not None
+        ):
             return
         saved = validation.saved_log_folder(path, weights_only)
         if saved and (saved["save_dir"], saved["name"]) == (logger.save_dir, logger.name):

@@ -63,7 +63,9 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
     written = {p: _written(p) for p in candidates if p}
     found = [p for p, t in written.items() if t is not None]
     if not found:
-        where = ", ".join(dict.fromkeys(str(f) for f in folders)) or "no checkpoint folder (no ModelCheckpoint callback)"
+        where = (
+            ", ".join(dict.fromkeys(str(f) for f in folders)) or "no checkpoint folder (no ModelCheckpoint callback)"
+        )
         raise ConfigError(
             f"ckpt_path='last' but there is no last checkpoint in {where}: omit --ckpt_path to start a new run, or "
             f"pass a checkpoint file"
@@ -111,7 +113,9 @@ def check_matches(checkpoint: dict, module, path: str = "checkpoint") -> None:
         return
     expected = {_plain_key(k): tuple(v.shape) for k, v in module.state_dict().items()}
     found = {_plain_key(k): tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
-    wrong = [f"{k} {found[k]} vs {expected[k]}" for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]]
+    wrong = [
+        f"{k} {found[k]} vs {expected[k]}" for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]
+    ]
     problems = wrong
     if getattr(module, "strict_loading", True):
         problems = problems + [f"missing {k}" for k in sorted(expected.keys() - found.keys())]

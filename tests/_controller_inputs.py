@@ -45,7 +45,7 @@ def constructed_probe(layers: list[list[torch.Tensor]], n_seq: int = 2, head_dim
     return ProbeResult(torch.arange(T), q, k, v, probs)
 
 
-def adaptive(n_layer: int, n_head: int, seq_len: int, candidates, **controller) -> "AdaptivePolicy":  # noqa: F821
+def adaptive(n_layer: int, n_head: int, seq_len: int, candidates, **controller) -> AdaptivePolicy:  # noqa: F821
     settings = dict(warmup_steps=0, control_interval=1)
     settings.update(controller)
     cfg = AAHConfig(policy="adaptive", candidates=list(candidates), controller=ControllerConfig(**settings))

@@ -32,14 +32,26 @@ def main(out_dir: str) -> None:
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic_documents=200, seed=0)
     controller = ControllerConfig(warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2)
     model = AAHModule(
-        n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=dm.vocab_size,
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], controller=controller),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
     )
     record = Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=12, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         callbacks=[record],
     )
     trainer.fit(model, dm)

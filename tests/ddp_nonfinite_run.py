@@ -30,8 +30,16 @@ def main(out_dir: str) -> None:
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=data.vocab_size)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=12, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, default_root_dir=out_dir,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=12,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=out_dir,
         plugins=[AtomicCheckpointIO()],
         callbacks=[PoisonRank1(), NonFiniteGuard(check_every_n_steps=2), LastCheckpoint(f"{out_dir}/ckpts", 1)],
     )

@@ -15,9 +15,9 @@ from aah_lightning.model.attention import (
     backend_names,
     get_backend,
     register,
+    registry,
     resolve_backend,
 )
-from aah_lightning.model.attention import registry
 from aah_lightning.model.attention.banded import band_pairs
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
@@ -39,8 +39,14 @@ def test_every_backend_is_selectable_and_unknown_names_are_refused():
 
 @pytest.mark.parametrize(
     "device,needs_grad,seq_len,expected",
-    [("cpu", True, 4096, "banded"), ("cpu", False, 4096, "banded"), ("cpu", True, 255, "sdpa"),
-     ("cpu", True, 256, "banded"), ("cuda", True, 64, "flex"), ("cuda", False, 16384, "flex")],
+    [
+        ("cpu", True, 4096, "banded"),
+        ("cpu", False, 4096, "banded"),
+        ("cpu", True, 255, "sdpa"),
+        ("cpu", True, 256, "banded"),
+        ("cuda", True, 64, "flex"),
+        ("cuda", False, 16384, "flex"),
+    ],
 )
 def test_auto_follows_the_documented_rule(device, needs_grad, seq_len, expected):
     assert resolve_backend("auto", torch.device(device), needs_grad, seq_len) == expected
@@ -111,8 +117,11 @@ def test_plans_report_their_tiles_and_pairs(backend):
     assert counts.causal == len(row) * window_math.causal_tiles(T, tile)
     assert counts.source == ("blockmask" if backend == "flex" else "analytic")
     assert plan.pairs() == sum(window_math.window_pairs(w, T) for w in row)
-    computed = {"sdpa": len(row) * T * T, "banded": sum(band_pairs(w, T) for w in row),
-                "flex": (counts.partial + counts.full) * tile * tile}[backend]
+    computed = {
+        "sdpa": len(row) * T * T,
+        "banded": sum(band_pairs(w, T) for w in row),
+        "flex": (counts.partial + counts.full) * tile * tile,
+    }[backend]
     assert plan.computed_pairs(tile) == computed
     assert plan.pairs() <= computed
 

@@ -24,8 +24,9 @@ CPU = torch.device("cpu")
 
 def qkv(batch, heads, seq_len, dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq_len, dim, generator=g, dtype=torch.float64, requires_grad=True)
-            for _ in range(3)]
+    return [
+        torch.randn(batch, heads, seq_len, dim, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    ]
 
 
 def documents(batch, seq_len, seed=0):
@@ -104,8 +105,9 @@ def test_split_with_flex_forward_for_windowed_heads(monkeypatch, docs):
     kinds = [p.kind for p in plan.parts]
     assert kinds == (["flex"] if docs else ["flex", "causal"])
     assert plan.tile_counts(128).source == ("blockmask" if docs else "analytic+blockmask")
-    torch.testing.assert_close(out.double(), reference_attention(q, k, v, torch.tensor(row), doc_ids),
-                               rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, k, v, torch.tensor(row), doc_ids), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_gpt_split_equals_gpt_sdpa_logits_and_gradients():
@@ -181,6 +183,7 @@ def test_compiled_split_is_exact_and_new_windows_in_the_same_groups_compile_noth
             plan = split.SplitBackend(windowed="flex").build(row, T, None, device=CPU, block_size=128)
             out = plan(q, k, v)
             graphs.append(dyn.counters["stats"]["unique_graphs"])
-            torch.testing.assert_close(out.double(), reference_attention(q, k, v, torch.tensor(row)),
-                                       rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(
+                out.double(), reference_attention(q, k, v, torch.tensor(row)), rtol=2e-5, atol=2e-5
+            )
     assert graphs[-1] == graphs[0]

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from _controller_inputs import adaptive, random_profiles, synthetic_features
 
+from _controller_inputs import adaptive, random_profiles, synthetic_features
 from aah_lightning.aah import metrics
 from aah_lightning.aah.config import ControllerConfig
 from aah_lightning.aah.controller import budget
@@ -45,7 +45,8 @@ def brute_force(layers: list[LayerInputs], per_head: list[float], budget_total: 
         for pick in itertools.product(*[range(lim + 1) for lim in limits]):
             idx = dict(zip(groups, pick))
             if inp.parent_constraint and any(
-                idx[(lvl, g)] > idx[(lvl + 1, p)] for lvl in range(len(h.levels) - 1)
+                idx[(lvl, g)] > idx[(lvl + 1, p)]
+                for lvl in range(len(h.levels) - 1)
                 for g, p in enumerate(h.parents(lvl))
             ):
                 continue
@@ -81,8 +82,13 @@ def test_model_budget_matches_brute_force_and_never_exceeds(measure):
         cover = 1.0 if trial % 3 else 0.8
         layers = [
             LayerInputs(
-                hierarchy=random_hierarchy(n_head, g), profile=profiles[layer], features=profiles[layer],
-                candidates=cands, seq_len=T, coverage_target=cover, parent_constraint=bool(trial % 4),
+                hierarchy=random_hierarchy(n_head, g),
+                profile=profiles[layer],
+                features=profiles[layer],
+                candidates=cands,
+                seq_len=T,
+                coverage_target=cover,
+                parent_constraint=bool(trial % 4),
             )
             for layer in range(n_layer)
         ]
@@ -109,9 +115,17 @@ def test_coarse_grid_rounds_costs_up_and_stays_within_budget(monkeypatch):
     per_head = window_costs(cands, T, "acr").tolist()
     for _ in range(10):
         profiles = random_profiles(2, 3, 4, g)
-        layers = [LayerInputs(hierarchy=Hierarchy([[[h] for h in range(3)]]), profile=profiles[i],
-                              features=profiles[i], candidates=cands, seq_len=T, coverage_target=1.0)
-                  for i in range(2)]
+        layers = [
+            LayerInputs(
+                hierarchy=Hierarchy([[[h] for h in range(3)]]),
+                profile=profiles[i],
+                features=profiles[i],
+                candidates=cands,
+                seq_len=T,
+                coverage_target=1.0,
+            )
+            for i in range(2)
+        ]
         chosen = budget.allocate_model(layers, "acr", 0.45)
         _, cost = objective(layers, chosen, per_head)
         assert cost <= 0.45 * 6 + 1e-9
@@ -121,7 +135,8 @@ def test_knapsack_exact_on_a_hand_case():
     # Two groups; capacity 5: (a=1 for cost 1, or 4 for cost 4) and (b=2 for cost 1, or 3 for cost 2): best 4 + 2.
     picks = budget.multiple_choice_knapsack(
         [torch.tensor([1.0, 4.0], dtype=torch.float64), torch.tensor([2.0, 3.0], dtype=torch.float64)],
-        [[1, 4], [1, 2]], 5,
+        [[1, 4], [1, 2]],
+        5,
     )
     assert picks == [1, 0]
     # equal value: the cheaper item
@@ -135,13 +150,16 @@ def test_policy_with_model_budget_spends_across_layers():
     prof = torch.tensor([[[0.1, 0.2, 0.4, 1.0]] * 4, [[0.97, 0.98, 0.99, 1.0]] * 4], dtype=torch.float64)
     tables = {}
     for scope in ("layer", "model"):
-        policy = adaptive(2, 4, T, cands, grouping="none", depth=1, coverage_target=1.0, target_acr=0.375,
-                          budget_scope=scope)
+        policy = adaptive(
+            2, 4, T, cands, grouping="none", depth=1, coverage_target=1.0, target_acr=0.375, budget_scope=scope
+        )
         tables[scope] = policy.decide(synthetic_features(policy, prof), step=0)
         assert float(metrics.acr(tables[scope], T)) <= 0.375 + 1e-12
     assert tables["model"][1].tolist() == [4, 4, 4, 4]
-    kept = {s: float(prof.gather(-1, torch.searchsorted(torch.tensor(cands), t).long().unsqueeze(-1)).sum())
-            for s, t in tables.items()}
+    kept = {
+        s: float(prof.gather(-1, torch.searchsorted(torch.tensor(cands), t).long().unsqueeze(-1)).sum())
+        for s, t in tables.items()
+    }
     assert kept["model"] > kept["layer"]
 
 
@@ -149,8 +167,20 @@ def test_budget_over_run_pays_for_warmup_and_meets_the_mean():
     # warmup 10 of 100 steps at full context, then a decision every 10 steps: the run's mean ACR is the target.
     cands, T, N = [4, 8, 16, 32], 32, 100
     g = torch.Generator().manual_seed(0)
-    policy = adaptive(2, 4, T, cands, grouping="none", depth=1, coverage_target=1.0, target_acr=0.3,
-                      budget_scope="model", budget_over_run=True, warmup_steps=10, control_interval=10)
+    policy = adaptive(
+        2,
+        4,
+        T,
+        cands,
+        grouping="none",
+        depth=1,
+        coverage_target=1.0,
+        target_acr=0.3,
+        budget_scope="model",
+        budget_over_run=True,
+        warmup_steps=10,
+        control_interval=10,
+    )
     policy.set_run_length(N)
     paid, table, last = 0.0, policy.initial_table(), 0
     for step in range(10, N, 10):
@@ -166,8 +196,16 @@ def test_budget_over_run_state_resumes_identically():
     cands, T = [4, 8, 16, 32], 32
     g = torch.Generator().manual_seed(1)
     feats_seq = [random_profiles(2, 4, 4, g) for _ in range(4)]
-    kwargs = {"grouping": "none", "depth": 1, "coverage_target": 1.0, "target_acr": 0.4, "budget_scope": "model",
-              "budget_over_run": True, "warmup_steps": 5, "control_interval": 5}
+    kwargs = {
+        "grouping": "none",
+        "depth": 1,
+        "coverage_target": 1.0,
+        "target_acr": 0.4,
+        "budget_scope": "model",
+        "budget_over_run": True,
+        "warmup_steps": 5,
+        "control_interval": 5,
+    }
     a = adaptive(2, 4, T, cands, **kwargs)
     a.set_run_length(40)
     for i, p in enumerate(feats_seq[:2]):
@@ -224,15 +262,23 @@ def test_random_windows_with_a_table_draw_its_exact_histogram():
 def test_a_real_run_pays_its_target_on_average(tmp_path, tiny_args):
     # aah fit with the whole-model budget over the run: the LightningModule tells the policy the run's length, and
     # the ACR of every step (logged at every change of the table) averages to the target.
+    from aah_lightning.cli import main
     from tb import read_events
 
-    from aah_lightning.cli import main
-
-    main(tiny_args("--model.aah.policy=adaptive", "--model.aah.candidates=[4,8,16,32]",
-                   "--model.aah.controller.warmup_steps=2", "--model.aah.controller.control_interval=2",
-                   "--model.aah.controller.coverage_target=1.0", "--model.aah.controller.target_acr=0.4",
-                   "--model.aah.controller.budget_scope=model", "--model.aah.controller.budget_over_run=true",
-                   "--diagnostics.every_n_steps=1", steps=12))
+    main(
+        tiny_args(
+            "--model.aah.policy=adaptive",
+            "--model.aah.candidates=[4,8,16,32]",
+            "--model.aah.controller.warmup_steps=2",
+            "--model.aah.controller.control_interval=2",
+            "--model.aah.controller.coverage_target=1.0",
+            "--model.aah.controller.target_acr=0.4",
+            "--model.aah.controller.budget_scope=model",
+            "--model.aah.controller.budget_over_run=true",
+            "--diagnostics.every_n_steps=1",
+            steps=12,
+        )
+    )
     acr = sorted(read_events(tmp_path / "runs")["scalars"]["aah/acr"])
     assert [s for s, _ in acr] == list(range(1, 13))  # the table of every step: logged after steps 1..12
     assert abs(sum(v for _, v in acr) / 12 - 0.4) <= 0.01

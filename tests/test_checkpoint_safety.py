@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import textwrap
-import time
 
 import lightning as L
 import pytest
@@ -88,7 +87,9 @@ def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkey
 
 
 def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
-    cli = AAHCLI(AAHModule, TextDataModule, run=False, auto_configure_optimizers=False, args=["--config", tiny_config(tmp_path)])
+    cli = AAHCLI(
+        AAHModule, TextDataModule, run=False, auto_configure_optimizers=False, args=["--config", tiny_config(tmp_path)]
+    )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert [type(cb) for cb in cli.trainer.checkpoint_callbacks][:1] == [LastCheckpoint]
 
@@ -111,8 +112,14 @@ def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
     model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65, aah=aah)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, plugins=[AtomicCheckpointIO()], callbacks=[LastCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1)],
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[LastCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1)],
     )
     trainer.fit(model, datamodule=data)
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)  # plain torch, no allow-listing
@@ -132,5 +139,17 @@ def test_unsafe_checkpoint_is_refused_unless_allowed(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "ckpts")
 
     # Explicitly allowed: the run resumes from it (step 2) and finishes.
-    main(["fit", "--config", tiny_config(tmp_path), "--ckpt_path", str(unsafe), "--weights_only", "false", "--trainer.max_steps", "3"])
+    main(
+        [
+            "fit",
+            "--config",
+            tiny_config(tmp_path),
+            "--ckpt_path",
+            str(unsafe),
+            "--weights_only",
+            "false",
+            "--trainer.max_steps",
+            "3",
+        ]
+    )
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 3

@@ -13,7 +13,15 @@ from tb import read_events
 def test_fit_logs_the_tags_and_checkpoints_the_window_table(tmp_path, tiny_args):
     main(tiny_args("--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]", steps=6))
     events = read_events(tmp_path / "runs")
-    for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "perf/tokens_per_sec", "aah/acr", "aah/causal_coverage"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "val/loss",
+        "val/ppl",
+        "perf/tokens_per_sec",
+        "aah/acr",
+        "aah/causal_coverage",
+    ):
         assert tag in events["scalars"], tag
     assert "aah/windows" in events["histograms"]
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
@@ -48,6 +56,8 @@ def test_validate_and_test_subcommands_use_a_checkpoint(tmp_path, tiny_args):
 def test_print_config_shows_linked_settings():
     out = subprocess.run(
         [sys.executable, "-m", "aah_lightning", "fit", "--config", "configs/quickstart.yaml", "--print_config"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "policy: random" in out and "seq_len: 256" in out and "source: stdlib" in out

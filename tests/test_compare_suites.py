@@ -16,8 +16,9 @@ def write(folder: Path, rows: dict[tuple[str, int], tuple[float, float]]) -> Pat
         w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
         for (row, seed), (loss, gain) in rows.items():
-            w.writerow({k: 1.0 for k in FIELDS} | {"row": row, "seed": seed, "val_loss": loss,
-                                                   "val_loss_last_gain": gain})
+            w.writerow(
+                {k: 1.0 for k in FIELDS} | {"row": row, "seed": seed, "val_loss": loss, "val_loss_last_gain": gain}
+            )
     return folder
 
 
@@ -26,18 +27,39 @@ def cells(line: str) -> list[str]:
 
 
 def test_paired_differences_of_both_suites_and_how_they_moved(tmp_path, capsys):
-    short = write(tmp_path / "short", {("baseline", 0): (2.0, 0.05), ("baseline", 1): (2.2, 0.07),
-                                       ("fixed_w", 0): (1.9, 0.04), ("fixed_w", 1): (2.0, 0.06),
-                                       ("static", 0): (2.1, 0.05)})
-    long = write(tmp_path / "long", {("baseline", 0): (1.5, 0.01), ("baseline", 1): (1.6, 0.03),
-                                     ("baseline", 2): (1.7, 0.02), ("fixed_w", 0): (1.45, 0.01),
-                                     ("fixed_w", 1): (1.5, 0.02), ("fixed_w", 2): (1.6, 0.02)})
+    short = write(
+        tmp_path / "short",
+        {
+            ("baseline", 0): (2.0, 0.05),
+            ("baseline", 1): (2.2, 0.07),
+            ("fixed_w", 0): (1.9, 0.04),
+            ("fixed_w", 1): (2.0, 0.06),
+            ("static", 0): (2.1, 0.05),
+        },
+    )
+    long = write(
+        tmp_path / "long",
+        {
+            ("baseline", 0): (1.5, 0.01),
+            ("baseline", 1): (1.6, 0.03),
+            ("baseline", 2): (1.7, 0.02),
+            ("fixed_w", 0): (1.45, 0.01),
+            ("fixed_w", 1): (1.5, 0.02),
+            ("fixed_w", 2): (1.6, 0.02),
+        },
+    )
     compare_suites.main([str(short), str(long), "--names", "short", "long"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("command: python ")
-    assert cells(lines[1])[:6] == ["row", "seeds", "Δ vs baseline, short", "Δ vs baseline, long", "change",
-                                   "Δ per seed, long"]
+    assert cells(lines[1])[:6] == [
+        "row",
+        "seeds",
+        "Δ vs baseline, short",
+        "Δ vs baseline, long",
+        "change",
+        "Δ per seed, long",
+    ]
     body = {cells(x)[0]: cells(x) for x in lines[3:] if x.startswith("| ")}
     assert set(body) == {"baseline", "fixed_w"}  # static ran in one suite only
     fw = body["fixed_w"]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from _controller_inputs import (
     adaptive,
     constructed_probe,
@@ -10,7 +11,6 @@ from _controller_inputs import (
     random_profiles,
     synthetic_features,
 )
-
 from aah_lightning.aah import metrics
 from aah_lightning.aah.controller.allocators import LayerInputs, choose_siblings, reach_allocator, window_costs
 from aah_lightning.aah.controller.features import FeatureLayout, probe_features

@@ -16,7 +16,11 @@ def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "ddp_controller_run.py"), str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)

@@ -24,10 +24,7 @@ def naive_average_linkage(dist, threshold):
     """Recompute every linkage from scratch at each merge (the definition)."""
     groups = [[i] for i in range(dist.shape[0])]
     while len(groups) > 1:
-        pairs = [
-            (float(dist[a][:, b].mean()), i, j)
-            for (i, a), (j, b) in itertools.combinations(enumerate(groups), 2)
-        ]
+        pairs = [(float(dist[a][:, b].mean()), i, j) for (i, a), (j, b) in itertools.combinations(enumerate(groups), 2)]
         best = min(pairs)
         if best[0] > threshold:
             break

@@ -5,8 +5,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from _controller_inputs import adaptive, one_thread, synthetic_features  # noqa: F401  (one_thread: fixture)
 
+from _controller_inputs import adaptive, one_thread, synthetic_features  # noqa: F401  (one_thread: fixture)
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.controller.adaptive import AdaptivePolicy
 from aah_lightning.aah.policy_base import POLICIES, make_policy
@@ -118,7 +118,9 @@ def test_grouping_none_and_fixed_random():
 
     def random_run(seed):
         cfg = AAHConfig(
-            policy="adaptive", candidates=CANDS, seed=seed,
+            policy="adaptive",
+            candidates=CANDS,
+            seed=seed,
             controller=ControllerConfig(grouping="fixed_random", random_groups=3, warmup_steps=0, depth=1),
         )
         p = FeatureFeed(cfg, 4, 6, T)
@@ -191,10 +193,18 @@ def _fresh(grouping):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, seq_len=T, n_layer=2, n_head=4, n_embd=32, backend="sdpa"))
     cfg = AAHConfig(
-        policy="adaptive", candidates=CANDS, seed=3,
+        policy="adaptive",
+        candidates=CANDS,
+        seed=3,
         controller=ControllerConfig(
-            grouping=grouping, warmup_steps=2, control_interval=3, ema_alpha=0.5, probe_queries=16, depth=2,
-            threshold=0.5, target_acr=0.4,  # a ceiling, so that decisions differ from the full context
+            grouping=grouping,
+            warmup_steps=2,
+            control_interval=3,
+            ema_alpha=0.5,
+            probe_queries=16,
+            depth=2,
+            threshold=0.5,
+            target_acr=0.4,  # a ceiling, so that decisions differ from the full context
         ),
     )
     policy = make_policy(cfg, 2, 4, T)

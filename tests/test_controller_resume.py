@@ -8,9 +8,9 @@ under ``aah_policy``), independent of how the text data module finds its positio
 import lightning as L
 import pytest
 import torch
-from _controller_inputs import one_thread  # noqa: F401  (fixture)
 from torch.utils.data import DataLoader, IterableDataset
 
+from _controller_inputs import one_thread  # noqa: F401  (fixture)
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.lit.module import AAHModule, OptimConfig
 
@@ -55,14 +55,25 @@ def run(ckpt_path=None, stop_at=None):
         warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.45, depth=3, threshold=0.3
     )
     module = AAHModule(
-        n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=VOCAB,
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], seed=5, controller=controller),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
     )
     record = Record(stop_at)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record],
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[record],
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer, module, record.tables

@@ -10,8 +10,8 @@ where the mass gain is, which is on the copying heads.
 import lightning as L
 import pytest
 import torch
-from _controller_inputs import one_thread  # noqa: F401  (fixture)
 
+from _controller_inputs import one_thread  # noqa: F401  (fixture)
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.probe import run_probe
 from aah_lightning.lit.datamodule import TextDataModule
@@ -25,17 +25,29 @@ COPY = T // 2 - 1  # query-key distance of the token to copy
 def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(one_thread):
     L.seed_everything(0)
     # No test blocks: the training order these thresholds were set on (a test split shifts the permutation).
-    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=16, synthetic_documents=20000, seed=0,
-                        test_fraction=0.0)
+    dm = TextDataModule(
+        source="synthetic", seq_len=T, batch_size=16, synthetic_documents=20000, seed=0, test_fraction=0.0
+    )
     controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35)
     module = AAHModule(
-        n_layer=2, n_head=4, n_embd=64, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa",
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        seq_len=T,
+        vocab_size=dm.vocab_size,
+        backend="sdpa",
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32], controller=controller),
         optim=OptimConfig(lr=1e-2, warmup_steps=20),
     )
     trainer = L.Trainer(
-        max_steps=600, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        max_steps=600,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
     trainer.fit(module, dm)
     windows = module.model.windows

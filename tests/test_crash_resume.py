@@ -35,7 +35,9 @@ def test_sigkill_then_resume_from_last(tmp_path):
     ckpts = tmp_path / "ckpts"
     proc = subprocess.Popen(
         [PYTHON, "-m", "aah_lightning", "fit", "--config", config],
-        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.time() + 300
@@ -59,8 +61,18 @@ def test_sigkill_then_resume_from_last(tmp_path):
     assert step >= 1
 
     Recorder.seen = []
-    main(["fit", "--config", config, "--ckpt_path", "last", "--trainer.max_steps", str(step + 3),
-          "--trainer.callbacks+=test_crash_resume.Recorder"])
+    main(
+        [
+            "fit",
+            "--config",
+            config,
+            "--ckpt_path",
+            "last",
+            "--trainer.max_steps",
+            str(step + 3),
+            "--trainer.callbacks+=test_crash_resume.Recorder",
+        ]
+    )
     resumed = load_checkpoint_file(ckpts / "last.ckpt")
     assert resumed["global_step"] == step + 3
     assert all(torch.isfinite(t).all() for t in resumed["state_dict"].values() if t.is_floating_point())
@@ -87,8 +99,12 @@ def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     args += ["--trainer.strategy.init_args.data_parallel_size=2", "--trainer.val_check_interval=1000"]
     ckpts, last = tmp_path / "ckpt", tmp_path / "ckpt" / "last.ckpt"
     proc = subprocess.Popen(
-        [*args, "--trainer.max_steps=100000"], env=subprocess_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True,
+        [*args, "--trainer.max_steps=100000"],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + 300
@@ -108,8 +124,14 @@ def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     step = torch.load(last / "meta.pt", weights_only=True)["global_step"]
     assert step >= 1
 
-    proc = subprocess.run([*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"], env=subprocess_env(),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == step + 2
     # One checkpoint folder behind the link, no temporary folder of the killed writer left.

@@ -5,8 +5,8 @@ import pytest
 
 from aah_lightning.data.corpora import stdlib_files
 from aah_lightning.data.packing import EndlessSampler, TokenBlocks, pack_stream
-from aah_lightning.data.token_folder import TokenStream
 from aah_lightning.data.synthetic import synthetic_documents
+from aah_lightning.data.token_folder import TokenStream
 from aah_lightning.data.tokenizers import ByteTokenizer, HFTokenizer
 from aah_lightning.lit.datamodule import TextDataModule
 
@@ -115,8 +115,15 @@ def test_local_files_through_datasets(tmp_path, kind):
         pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet")
         paths = [str(tmp_path / "d.parquet")]
     field = "text" if kind == "txt" else "body"
-    dm = make_dm(source="files", paths=paths, text_field=field, seq_len=64, cache_dir=str(tmp_path / "cache"),
-                 val_fraction=0.1, test_fraction=0.1)
+    dm = make_dm(
+        source="files",
+        paths=paths,
+        text_field=field,
+        seq_len=64,
+        cache_dir=str(tmp_path / "cache"),
+        val_fraction=0.1,
+        test_fraction=0.1,
+    )
     n_tokens = sum(len(t.encode()) + 1 for t in texts)
     assert len(dm.train_set) + len(dm.test_set) + len(dm.val_set) == n_tokens // 65
     decoded = ByteTokenizer().decode(dm.train_set[0]["tokens"].tolist())

@@ -18,8 +18,8 @@ from aah_lightning.aah.policies import StaticPolicy
 from aah_lightning.aah.policy_base import PolicyReport
 from aah_lightning.aah.probe import ProbeResult, full_causal_probs, mass_within, run_probe
 from aah_lightning.cli import main
-from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import masks
 from aah_lightning.model.attention.flex import FlexPlan
@@ -44,18 +44,36 @@ def last(scalars, tag):
 
 
 def test_fit_logs_every_diagnostic_tag(tmp_path, tiny_args):
-    main(tiny_args(
-        "--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]", "--model.aah.redraw_interval=3",
-        "--diagnostics.amc_every_n_steps=2", "--diagnostics.visuals_min_interval=1", "--throughput.peak_flops=1e12", steps=6,
-    ))
+    main(
+        tiny_args(
+            "--model.aah.policy=random",
+            "--model.aah.candidates=[4,8,16,32]",
+            "--model.aah.redraw_interval=3",
+            "--diagnostics.amc_every_n_steps=2",
+            "--diagnostics.visuals_min_interval=1",
+            "--throughput.peak_flops=1e12",
+            steps=6,
+        )
+    )
     events = read_events(tmp_path / "runs")
     scalars = events["scalars"]
-    expected = ["aah/acr", "aah/causal_coverage", "aah/block_density", "aah/attention_mass_coverage",
-                "aah/attention_mass_coverage/min_head", "aah/window_change_rate", "perf/tokens_per_sec",
-                "perf/flops_per_sec", "perf/mfu"]
+    expected = [
+        "aah/acr",
+        "aah/causal_coverage",
+        "aah/block_density",
+        "aah/attention_mass_coverage",
+        "aah/attention_mass_coverage/min_head",
+        "aah/window_change_rate",
+        "perf/tokens_per_sec",
+        "perf/flops_per_sec",
+        "perf/mfu",
+    ]
     expected += [f"aah/window_fraction/{w}" for w in (4, 8, 16, 32)]
-    expected += [f"{tag}/layer_{l}" for tag in ("aah/acr", "aah/causal_coverage", "aah/block_density",
-                                                "aah/attention_mass_coverage") for l in (0, 1)]
+    expected += [
+        f"{tag}/layer_{l}"
+        for tag in ("aah/acr", "aah/causal_coverage", "aah/block_density", "aah/attention_mass_coverage")
+        for l in (0, 1)
+    ]
     for tag in expected:
         assert tag in scalars, tag
     for tag in ("aah/windows", "aah/windows/layer_0", "aah/windows/layer_1"):
@@ -77,10 +95,16 @@ def test_fit_logs_every_diagnostic_tag(tmp_path, tiny_args):
 
 
 def test_static_table_scalars_equal_hand_counts(tmp_path, tiny_args):
-    main(tiny_args(
-        "--model.aah.policy=static", f"--model.aah.table={STATIC}", f"--model.block_size={TILE}",
-        "--diagnostics.amc_every_n_steps=0", "--trainer.val_check_interval=4", steps=4,
-    ))
+    main(
+        tiny_args(
+            "--model.aah.policy=static",
+            f"--model.aah.table={STATIC}",
+            f"--model.block_size={TILE}",
+            "--diagnostics.amc_every_n_steps=0",
+            "--trainer.val_check_interval=4",
+            steps=4,
+        )
+    )
     scalars = read_events(tmp_path / "runs")["scalars"]
     assert last(scalars, "aah/acr") == pytest.approx((4 + 8 + 16 + 32 + 32 + 2 + 5 + 1) / 8 / 32)
     assert last(scalars, "aah/acr/layer_1") == pytest.approx((32 + 2 + 5 + 1) / 4 / 32)
@@ -111,8 +135,15 @@ def test_block_density_counts_the_blockmask_of_flex_plans():
 
 
 def test_reading_the_plans_in_use_builds_nothing():
-    module = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=T, block_size=TILE, backend="sdpa",
-                       aah=AAHConfig("static", table=STATIC))
+    module = AAHModule(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        block_size=TILE,
+        backend="sdpa",
+        aah=AAHConfig("static", table=STATIC),
+    )
     module.model(torch.randint(0, 257, (2, T)))  # the training forward builds the plans
     builds = module.model.planner.builds
     values = TableScalars().values(module, torch.tensor(STATIC), T, module.policy.report())
@@ -144,8 +175,9 @@ def test_amc_matches_a_direct_float64_computation():
     model = GPT(cfg)
     table = torch.tensor([[1, 5, 24], [3, 12, 7]])
     model.set_windows(table)
-    probe = run_probe(model, torch.randint(0, 32, (2, 24)), n_sequences=2, n_queries=8,
-                      generator=torch.Generator().manual_seed(1))
+    probe = run_probe(
+        model, torch.randint(0, 32, (2, 24)), n_sequences=2, n_queries=8, generator=torch.Generator().manual_seed(1)
+    )
     amc = mass_within(probe, table)
     for layer in range(2):
         q, k = probe.q[layer].double(), probe.k[layer].double()
@@ -155,14 +187,18 @@ def test_amc_matches_a_direct_float64_computation():
                 for i in probe.queries.tolist():
                     scores = torch.stack([q[n, h, i] @ k[n, h, j] / 8**0.5 for j in range(i + 1)])
                     p = torch.softmax(scores, 0)
-                    shares.append(p[max(0, i - int(table[layer, h]) + 1):].sum().item())
+                    shares.append(p[max(0, i - int(table[layer, h]) + 1) :].sum().item())
             assert amc[layer, h].item() == pytest.approx(np.mean(shares), abs=1e-5)
     # full windows keep all of the mass
     assert torch.allclose(mass_within(probe, torch.full((2, 3), 24)), torch.ones(2, 3, dtype=torch.float32), atol=1e-5)
 
 
 def test_full_windows_log_amc_one(tmp_path, tiny_args):
-    main(tiny_args("--model.aah.policy=full", "--diagnostics.amc_every_n_steps=1", "--trainer.val_check_interval=2", steps=2))
+    main(
+        tiny_args(
+            "--model.aah.policy=full", "--diagnostics.amc_every_n_steps=1", "--trainer.val_check_interval=2", steps=2
+        )
+    )
     values = [v for _, v in read_events(tmp_path / "runs")["scalars"]["aah/attention_mass_coverage"]]
     assert len(values) == 2 and values == pytest.approx([1.0, 1.0], abs=1e-5)
 
@@ -199,7 +235,9 @@ def test_group_stats_and_hierarchy_text():
         "  L0.g0 W=32: h0=32 h1=32 h2=32 h3=32",
     ]
     # a policy without groups: each layer's heads and windows
-    assert diag.hierarchy_text(torch.tensor(GROUPED_TABLE), None).splitlines()[1] == "layer 1: h0=32  h1=32  h2=32  h3=32"
+    assert (
+        diag.hierarchy_text(torch.tensor(GROUPED_TABLE), None).splitlines()[1] == "layer 1: h0=32  h1=32  h2=32  h3=32"
+    )
 
 
 def test_a_policy_without_groups_reports_none():
@@ -210,8 +248,15 @@ def test_a_policy_without_groups_reports_none():
 
 def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
-    module = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa",
-                       aah=AAHConfig("static", table=GROUPED_TABLE))
+    module = AAHModule(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=dm.vocab_size,
+        backend="sdpa",
+        aah=AAHConfig("static", table=GROUPED_TABLE),
+    )
     decided = {"step": 0}
     module.policy.report = lambda: PolicyReport([4, 8, 16, 32], decided["step"], TREES)
 
@@ -221,8 +266,14 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
 
     module.policy.on_train_step = decide
     trainer = L.Trainer(
-        max_steps=4, accelerator="cpu", devices=1, limit_val_batches=0, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
         logger=TensorBoardLogger(tmp_path, name="h"),
         callbacks=[WindowDiagnostics(every_n_steps=100, visuals_min_interval=1, amc_every_n_steps=0)],
     )
@@ -245,11 +296,24 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
 def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
     """A table that changes every step is drawn at most once per visuals_min_interval, and its last state is drawn."""
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
-    module = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa",
-                       aah=AAHConfig("random", candidates=[4, 8, 16, 32], redraw_interval=1))
+    module = AAHModule(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=dm.vocab_size,
+        backend="sdpa",
+        aah=AAHConfig("random", candidates=[4, 8, 16, 32], redraw_interval=1),
+    )
     trainer = L.Trainer(
-        max_steps=7, accelerator="cpu", devices=1, limit_val_batches=0, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
+        max_steps=7,
+        accelerator="cpu",
+        devices=1,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
         logger=TensorBoardLogger(tmp_path, name="r"),
         callbacks=[WindowDiagnostics(every_n_steps=100, visuals_min_interval=3, amc_every_n_steps=0)],
     )

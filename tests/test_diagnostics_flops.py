@@ -40,13 +40,17 @@ def test_matmul_flops_match_torch_flop_counter_and_pairs_match_the_mask():
     mm = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
     assert mm == 6 * flops.matmul_weights(cfg) * 16 * 3
     # the attention pairs are exactly the True entries of the masks the model runs with
-    allowed = sum(int(masks.dense_mask(masks.window_mask_mod(torch.tensor(row)), 1, 2, 16, "cpu").sum()) for row in table)
+    allowed = sum(
+        int(masks.dense_mask(masks.window_mask_mod(torch.tensor(row)), 1, 2, 16, "cpu").sum()) for row in table
+    )
     assert flops.attention_pairs(table, 16) == allowed
     assert flops.training_flops(cfg, table, 16) == mm // 3 + 12 * cfg.head_dim * allowed
 
 
 def test_throughput_counts_the_current_table_and_recounts_when_it_changes():
-    module = AAHModule(n_layer=2, n_head=2, n_embd=8, seq_len=16, vocab_size=11, aah=AAHConfig("static", table=[[4, 16], [2, 9]]))
+    module = AAHModule(
+        n_layer=2, n_head=2, n_embd=8, seq_len=16, vocab_size=11, aah=AAHConfig("static", table=[[4, 16], [2, 9]])
+    )
     cb = Throughput()
     cfg = module.model.cfg
     assert cb.sequence_flops(module, 16) == flops.training_flops(cfg, [[4, 16], [2, 9]], 16)

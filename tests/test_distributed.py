@@ -27,20 +27,37 @@ def _cpu_config(folder) -> str:
     """Overrides that turn the GPU cluster configs into a tiny two-process CPU run."""
     cfg = {
         "trainer": {
-            "accelerator": "cpu", "devices": 2, "precision": "32-true", "max_steps": STEPS,
-            "accumulate_grad_batches": 2, "val_check_interval": 4, "limit_val_batches": 2, "log_every_n_steps": 1,
-            "enable_progress_bar": False, "enable_model_summary": False, "logger": False,
+            "accelerator": "cpu",
+            "devices": 2,
+            "precision": "32-true",
+            "max_steps": STEPS,
+            "accumulate_grad_batches": 2,
+            "val_check_interval": 4,
+            "limit_val_batches": 2,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
             "default_root_dir": str(folder),
         },
         "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
         "model": {
-            "n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_embd": 32,
+            "backend": "auto",
+            "compile_blocks": False,
             "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
         },
         # No test split: the block count these steps were sized on, so no epoch boundary falls inside a step (where
         # the two ranks may then meet the same block, once in each epoch's permutation).
-        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 64,
-                 "test_fraction": 0.0},
+        "data": {
+            "source": "synthetic",
+            "seq_len": 32,
+            "batch_size": 4,
+            "synthetic_documents": 64,
+            "test_fraction": 0.0,
+        },
     }
     os.makedirs(folder, exist_ok=True)
     (folder / "cpu.yaml").write_text(yaml.safe_dump(cfg))
@@ -59,8 +76,14 @@ def _fit(folder, configs: list[str], *extra: str, expect_ok=True) -> subprocess.
 
 
 def _preempted_then_resumed(folder, configs, *extra):
-    proc = _fit(folder, configs, *extra, "--trainer.callbacks+=_resume_helpers.Interrupt",
-                f"--trainer.callbacks.at_step={INTERRUPT_AT}", expect_ok=False)
+    proc = _fit(
+        folder,
+        configs,
+        *extra,
+        "--trainer.callbacks+=_resume_helpers.Interrupt",
+        f"--trainer.callbacks.at_step={INTERRUPT_AT}",
+        expect_ok=False,
+    )
     assert proc.returncode != 0 and "simulated preemption" in proc.stderr, proc.stderr[-4000:]
     _fit(folder, configs, *extra, "--ckpt_path=last")
 
@@ -99,9 +122,13 @@ def test_ddp_fit_checkpoint_preempt_resume_is_exact(tmp_path, ddp_reference):
 
 def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_reference):
     # Also: the attention-mass probe (a no-grad forward on every rank) must work on a sharded model.
-    extra = ["--trainer.strategy.init_args.data_parallel_size=2", "--model.activation_checkpointing=true",
-             "--diagnostics.amc_every_n_steps=2", "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
-             f"--trainer.logger.init_args.save_dir={tmp_path}/tb"]
+    extra = [
+        "--trainer.strategy.init_args.data_parallel_size=2",
+        "--model.activation_checkpointing=true",
+        "--diagnostics.amc_every_n_steps=2",
+        "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+        f"--trainer.logger.init_args.save_dir={tmp_path}/tb",
+    ]
     _preempted_then_resumed(tmp_path, FSDP2, *extra)
     amc = read_events(tmp_path / "tb")["scalars"]["aah/attention_mass_coverage"]
     assert {s for s, _ in amc} >= {2, 4, 6} and all(0 < v <= 1 for _, v in amc)  # before and after the resume
@@ -132,8 +159,13 @@ def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_re
 def test_tensor_parallel_defaults_are_refused(tmp_path):
     # ModelParallelStrategy's "auto" sizes put both processes in one tensor-parallel group: nothing would be sharded
     # and gradients never averaged. aah stops with the fix instead.
-    proc = _fit(tmp_path, FSDP2, "--trainer.strategy.init_args.data_parallel_size=1",
-                "--trainer.strategy.init_args.tensor_parallel_size=2", expect_ok=False)
+    proc = _fit(
+        tmp_path,
+        FSDP2,
+        "--trainer.strategy.init_args.data_parallel_size=1",
+        "--trainer.strategy.init_args.tensor_parallel_size=2",
+        expect_ok=False,
+    )
     assert proc.returncode != 0 and "data_parallel_size" in proc.stderr and "tensor_parallel_size=1" in proc.stderr
 
 
@@ -144,13 +176,25 @@ def test_compiled_checkpointed_blocks_train_like_eager_and_window_changes_do_not
     # trains compiled blocks without it.
     from aah_lightning.cli import main
 
-    policy = ["--model.aah.policy=random", "--model.aah.candidates=[8,16]", "--model.aah.redraw_interval=2",
-              "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    policy = [
+        "--model.aah.policy=random",
+        "--model.aah.candidates=[8,16]",
+        "--model.aah.redraw_interval=2",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+    ]
     for mode in ("eager", "compiled"):
-        main(tiny_args(*policy, f"--model.compile_blocks={mode == 'compiled'}",
-                       f"--model.activation_checkpointing={mode == 'compiled'}",
-                       f"--checkpoint.dirpath={tmp_path}/{mode}", "--trainer.callbacks+=_resume_helpers.Recorder",
-                       f"--trainer.callbacks.folder={tmp_path}/{mode}", steps=4))
+        main(
+            tiny_args(
+                *policy,
+                f"--model.compile_blocks={mode == 'compiled'}",
+                f"--model.activation_checkpointing={mode == 'compiled'}",
+                f"--checkpoint.dirpath={tmp_path}/{mode}",
+                "--trainer.callbacks+=_resume_helpers.Recorder",
+                f"--trainer.callbacks.folder={tmp_path}/{mode}",
+                steps=4,
+            )
+        )
     eager, compiled = read_run(tmp_path / "eager"), read_run(tmp_path / "compiled")
     assert [r["table"] for r in compiled] == [r["table"] for r in eager] and len({str(r["table"]) for r in eager}) > 1
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)

@@ -15,8 +15,14 @@ from aah_lightning.lit.datamodule import TextDataModule
 
 def _attach(dm, rank, world, max_steps=-1):
     """The few trainer fields the data module reads to place itself."""
-    dm.trainer = SimpleNamespace(global_rank=rank, world_size=world, max_steps=max_steps, global_step=0,
-                                 accumulate_grad_batches=1, current_epoch=0)
+    dm.trainer = SimpleNamespace(
+        global_rank=rank,
+        world_size=world,
+        max_steps=max_steps,
+        global_step=0,
+        accumulate_grad_batches=1,
+        current_epoch=0,
+    )
     return dm
 
 
@@ -63,8 +69,11 @@ def test_streamed_shards_are_disjoint_cover_the_stream_and_leave_held_out_blocks
     eos = ByteTokenizer.eos_id
     shards, held_out = [], None
     for rank in range(world):
-        dm = _attach(TextDataModule(source="hub", hub_name="local/fake", seq_len=16, batch_size=2, val_blocks=4,
-                                    test_blocks=2), rank, world)
+        dm = _attach(
+            TextDataModule(source="hub", hub_name="local/fake", seq_len=16, batch_size=2, val_blocks=4, test_blocks=2),
+            rank,
+            world,
+        )
         dm.setup("fit")
         blocks = [{"tokens": b["tokens"]} for b in dm.train_set]  # one pass (epoch-based run)
         shards.append(_documents(blocks, eos))

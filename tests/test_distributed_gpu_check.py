@@ -10,12 +10,24 @@ from _resume_helpers import PYTHON, REPO, subprocess_env
 
 @pytest.mark.heavy
 def test_gpu_check_dry_run_on_cpu_passes_and_prints_one_table():
-    out = subprocess.run([PYTHON, "tools/gpu_check.py", "--device", "cpu"], cwd=REPO, env=subprocess_env(),
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [PYTHON, "tools/gpu_check.py", "--device", "cpu"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = out.stdout.split("\ncheck ", 1)[1]
-    for check in ("attention parity float32 out", "GPT parity logits", "compiled blocks (inference) vs sdpa",
-                  "new graphs after warm-up", "graph breaks", "compiled training"):
+    for check in (
+        "attention parity float32 out",
+        "GPT parity logits",
+        "compiled blocks (inference) vs sdpa",
+        "new graphs after warm-up",
+        "graph breaks",
+        "compiled training",
+    ):
         assert check in table, check
     assert "FAIL" not in table and "checks passed" in table
 

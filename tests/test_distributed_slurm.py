@@ -27,8 +27,13 @@ def _fake_bin(tmp_path, srun_body: str):
     (bin_dir / "srun").chmod(0o755)
     env = subprocess_env()
     env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="4242", SLURM_NTASKS="16", SLURM_JOB_NUM_NODES="2",
-        SLURM_NTASKS_PER_NODE="8", AAH_CONFIGS=os.path.join(REPO, "configs", "cluster"), RUN_DIR=str(tmp_path / "run"),
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_NTASKS="16",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NTASKS_PER_NODE="8",
+        AAH_CONFIGS=os.path.join(REPO, "configs", "cluster"),
+        RUN_DIR=str(tmp_path / "run"),
     )
     return env
 
@@ -46,8 +51,9 @@ def test_the_batch_script_builds_the_intended_run(tmp_path, strategy, resumed):
     env["STRATEGY"] = strategy
     if resumed:  # a requeued job: the last checkpoint is there (under FSDP2 a folder of shards)
         (tmp_path / "run" / "checkpoints" / "last.ckpt").mkdir(parents=True)
-    out = subprocess.run(["bash", SCRIPT, "--model.n_layer=6"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        ["bash", SCRIPT, "--model.n_layer=6"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     trainer = cfg["trainer"]
@@ -68,8 +74,15 @@ def test_the_batch_script_builds_the_intended_run(tmp_path, strategy, resumed):
 def test_under_slurm_lightning_leaves_the_requeue_to_the_batch_script(tmp_path, monkeypatch, own_plugin):
     # Lightning's auto-requeue would also requeue on a USR1 that reaches the tasks, after saving a mid-step hpc_ckpt.
     # Off, unless the config brings its own cluster environment.
-    for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="aah", SLURM_JOB_ID="4242", SLURM_PROCID="0",
-                            SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="node1").items():
+    for name, value in dict(
+        SLURM_NTASKS="1",
+        SLURM_JOB_NAME="aah",
+        SLURM_JOB_ID="4242",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="node1",
+    ).items():
         monkeypatch.setenv(name, value)
     args = ["--config", tiny_config(tmp_path)]
     if own_plugin:

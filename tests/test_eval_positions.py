@@ -6,8 +6,6 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import reference_attention
-from tb import read_events
 
 from aah_lightning.aah.config import AAHConfig
 from aah_lightning.cli import main
@@ -16,6 +14,8 @@ from aah_lightning.lit.evaluation import PositionLoss, bucket_of, widen_full_win
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from reference import reference_attention
+from tb import read_events
 
 
 def test_position_buckets_against_a_hand_computation():
@@ -24,6 +24,7 @@ def test_position_buckets_against_a_hand_computation():
     metric.update(torch.stack([t, t + 1000]))  # two sequences: loss = position, and position + 1000
     metric.update(torch.full((1, 300), 7.0))  # one more sequence: loss 7 everywhere
     got = {k: float(v) for k, v in metric.compute().items()}
+
     # bucket [a, b]: (sum_{t=a..b} t + sum (t + 1000) + 7 per token) / (3 tokens per position)
     def expected(a, b):
         n = b - a + 1
@@ -38,11 +39,24 @@ def test_position_buckets_against_a_hand_computation():
 
 def test_validation_logs_position_losses_of_a_manual_pass(tmp_path):
     torch.manual_seed(0)
-    module = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=128, vocab_size=65,
-                       aah=AAHConfig(policy="fixed", window=16), backend="sdpa")
+    module = AAHModule(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        seq_len=128,
+        vocab_size=65,
+        aah=AAHConfig(policy="fixed", window=16),
+        backend="sdpa",
+    )
     data = TextDataModule(source="synthetic", seq_len=128, batch_size=4, synthetic_documents=64)
-    trainer = L.Trainer(accelerator="cpu", limit_val_batches=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        limit_val_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     logged = trainer.validate(module, datamodule=data, verbose=False)[0]
     sums, counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -68,11 +82,23 @@ def test_full_heads_stay_full_at_a_longer_length():
 
 
 def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
-    small = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=65,
-                      aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]))
+    small = AAHModule(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        seq_len=64,
+        vocab_size=65,
+        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
+    )
     ckpt = {"hyper_parameters": dict(small.hparams), "state_dict": small.state_dict()}
-    big = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=128, vocab_size=65,
-                    aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]))
+    big = AAHModule(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        seq_len=128,
+        vocab_size=65,
+        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
+    )
     big.on_load_checkpoint(ckpt)
     big.load_state_dict(ckpt["state_dict"])
     assert big.model.windows.tolist() == [[128, 8], [16, 128]]
@@ -80,9 +106,7 @@ def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
 
 def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tensor:
     """The model's forward with every layer's plan replaced by the float64 reference of its windows."""
-    plans = [
-        lambda q, k, v, row=row: reference_attention(q, k, v, row).to(q.dtype) for row in model.windows.tolist()
-    ]
+    plans = [lambda q, k, v, row=row: reference_attention(q, k, v, row).to(q.dtype) for row in model.windows.tolist()]
     with monkeypatch.context() as m:
         m.setattr(model, "attention_plans", lambda *args, **kwargs: plans)
         return model(idx)
@@ -92,8 +116,9 @@ def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tenso
 def test_forward_at_other_lengths_matches_the_reference(backend, monkeypatch):
     # A model built for T = 32 run at 16, 64 and 96 tokens: RoPE at any length, windows >= T are the whole context.
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, seq_len=32, n_layer=2, n_head=4, n_embd=32, backend=backend,
-                          block_size=16)).eval()
+    model = GPT(
+        GPTConfig(vocab_size=50, seq_len=32, n_layer=2, n_head=4, n_embd=32, backend=backend, block_size=16)
+    ).eval()
     model.set_windows(torch.tensor([[32, 3, 16, 5], [1, 32, 8, 32]]))
     for length in (16, 64, 96):
         idx = torch.randint(50, (2, length))
@@ -117,19 +142,33 @@ def test_forward_at_other_lengths_matches_the_reference(backend, monkeypatch):
 def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_args):
     settings = {
         "full": [],
-        "adaptive": ["--model.aah.controller.warmup_steps=1", "--model.aah.controller.control_interval=1",
-                     "--model.aah.controller.target_acr=0.5"],
+        "adaptive": [
+            "--model.aah.controller.warmup_steps=1",
+            "--model.aah.controller.control_interval=1",
+            "--model.aah.controller.target_acr=0.5",
+        ],
         "fixed": ["--model.aah.window=16"],
         "static": ["--model.aah.table=[[8,64,16,32],[64,8,8,16]]"],
         "random": ["--model.aah.redraw_interval=1"],
         "shuffle": ["--model.aah.controller.warmup_steps=1", "--model.aah.controller.control_interval=1"],
     }[policy]
-    args = [f"--model.aah.policy={policy}", "--model.aah.candidates=[8,16,32,64]", f"--model.backend={backend}",
-            *settings]
+    args = [
+        f"--model.aah.policy={policy}",
+        "--model.aah.candidates=[8,16,32,64]",
+        f"--model.backend={backend}",
+        *settings,
+    ]
     main(tiny_args(*args, steps=3, seq_len=64))
     trained = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]["model.windows"]
-    main(tiny_args(*args, f"--ckpt_path={tmp_path}/ckpt/last.ckpt", "--trainer.logger.init_args.name=long",
-                   subcommand="validate", seq_len=128))
+    main(
+        tiny_args(
+            *args,
+            f"--ckpt_path={tmp_path}/ckpt/last.ckpt",
+            "--trainer.logger.init_args.name=long",
+            subcommand="validate",
+            seq_len=128,
+        )
+    )
     scalars = read_events(tmp_path / "runs" / "long")["scalars"]
     assert {"val/loss", "val/loss_by_position/0-63", "val/loss_by_position/64-127"} <= set(scalars)
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["val/loss_by_position/64-127"])

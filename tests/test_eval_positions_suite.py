@@ -37,10 +37,12 @@ def test_step_mean_weights_each_value_by_the_steps_it_held():
 
 def test_frontier_table_pairs_by_seed_and_shows_what_was_paid(tmp_path):
     records = [
-        record("baseline", 0, 2.0, 1.0, long=2.5), record("baseline", 1, 2.2, 1.0, long=2.9),
-        record("fixed_acr0.25", 0, 1.9, 0.25, long=2.0), record("fixed_acr0.25", 1, 2.0, 0.25, long=2.1),
-        record("adaptive_model_acr0.25", 0, 1.95, 0.255, long=2.2), record("adaptive_model_acr0.25", 1, 2.3, 0.238,
-                                                                          long=2.6),
+        record("baseline", 0, 2.0, 1.0, long=2.5),
+        record("baseline", 1, 2.2, 1.0, long=2.9),
+        record("fixed_acr0.25", 0, 1.9, 0.25, long=2.0),
+        record("fixed_acr0.25", 1, 2.0, 0.25, long=2.1),
+        record("adaptive_model_acr0.25", 0, 1.95, 0.255, long=2.2),
+        record("adaptive_model_acr0.25", 1, 2.3, 0.238, long=2.6),
     ]
     rows = ["adaptive_model_acr0.25", "baseline", "fixed_acr0.25"]
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
@@ -66,8 +68,11 @@ def test_positions_md_orders_buckets_by_position(tmp_path):
 
 
 def test_write_outputs_adds_the_frontier_files(tmp_path):
-    records = [record("baseline", 0, 2.0, 1.0), record("fixed_acr0.25", 0, 1.9, 0.25),
-               record("fixed_acr0.5", 0, 1.95, 0.5)]
+    records = [
+        record("baseline", 0, 2.0, 1.0),
+        record("fixed_acr0.25", 0, 1.9, 0.25),
+        record("fixed_acr0.5", 0, 1.95, 0.5),
+    ]
     rows = ["baseline", "fixed_acr0.25", "fixed_acr0.5"]
     suite.write_outputs(str(tmp_path), records, rows, {(r, 0): [(1, 2.0)] for r in rows})
     for name in ("results.md", "results.csv", "positions.md", "frontier.md", "frontier.png"):

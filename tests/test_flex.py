@@ -5,10 +5,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aah_lightning.model import masks
-from aah_lightning.model.attention import AttentionPlanner
-from aah_lightning.model.attention import flex
+from aah_lightning.model.attention import AttentionPlanner, flex
 from aah_lightning.model.attention.flex import FlexPlan, balanced_order
-
 from reference import reference_attention
 from test_banded import random_qkv
 
@@ -20,8 +18,13 @@ def test_analytic_block_mask_backward_orientation_matches_torch(T, block):
     row = torch.tensor([1, 64, 127, 128, 129, 300, T, T + 50], dtype=torch.int32)
     ours = masks.window_block_mask(row, T, block)
     torchs = BlockMask.from_kv_blocks(
-        ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices, BLOCK_SIZE=block,
-        mask_mod=ours.mask_mod, seq_lengths=(T, T),
+        ours.kv_num_blocks,
+        ours.kv_indices,
+        ours.full_kv_num_blocks,
+        ours.full_kv_indices,
+        BLOCK_SIZE=block,
+        mask_mod=ours.mask_mod,
+        seq_lengths=(T, T),
     )
     for field in ("q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, field), getattr(torchs, field)), field
@@ -50,7 +53,9 @@ def test_cpu_flex_plan_runs_heads_in_balanced_order(monkeypatch):
     plan = AttentionPlanner().plans(table, T, "flex")[0]
     assert plan.order is not None and plan.order.tolist() != list(range(8))
     # the BlockMask follows the order: head i of the mask is head order[i] of the layer
-    assert torch.equal(plan.block_mask.kv_num_blocks[0], masks.window_block_mask(table[0], T).kv_num_blocks[0][plan.order])
+    assert torch.equal(
+        plan.block_mask.kv_num_blocks[0], masks.window_block_mask(table[0], T).kv_num_blocks[0][plan.order]
+    )
     # eager flex (no compile) on the permuted heads gives the reference in the layer's order
     q, k, v = (x.detach() for x in random_qkv(1, 8, T, 16, 0, torch.float32))
     with torch.no_grad():

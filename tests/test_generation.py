@@ -89,7 +89,7 @@ def test_ring_buffer_wraps_and_holds_the_newest_positions():
         model(torch.tensor([row]))
     model.blocks[0].attn.capture = None
     keys = captured[0][1][0]  # [H, T, D]
-    for t in row[len(prompts[0]):]:
+    for t in row[len(prompts[0]) :]:
         gen.decode_step(model, cache, torch.tensor([t, t]))
     last = len(row) - 1  # position 16: the 3-slot ring has wrapped five times
     for group in cache.layers[0]:
@@ -193,7 +193,12 @@ def test_decode_benchmark_runs_on_tiny_shapes():
 
     repo = Path(__file__).resolve().parents[1]
     args = ["--contexts", "64", "--batch", "2", "--repeats", "1", "--prefill-repeats", "1", "--threads", "1"]
-    out = subprocess.run([sys.executable, str(repo / "tools" / "bench_decode.py"), *args], capture_output=True,
-                         text=True, check=True, cwd=repo).stdout
+    out = subprocess.run(
+        [sys.executable, str(repo / "tools" / "bench_decode.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo,
+    ).stdout
     assert "| 64 | full |" in out and "| 64 | AAH |" in out
     assert "AAH cache / full cache == sum min(W, T) / (H T) exactly, T=64 | 0.2969 vs 0.2969 | met" in out

@@ -8,13 +8,13 @@ import runpy
 
 import pytest
 import torch
-from _cli_helpers import REPO, cli_error, tiny_config, train_tiny
-from tb import read_events
 
+from _cli_helpers import REPO, cli_error, tiny_config, train_tiny
 from aah_lightning.cli import main
 from aah_lightning.data import prompts as prompt_data
 from aah_lightning.data.tokenizers import ByteTokenizer
 from aah_lightning.errors import ConfigError
+from tb import read_events
 
 CORPUS = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n" * 40
 
@@ -26,8 +26,10 @@ def text_config(tmp_path):
     corpus.write_text(CORPUS)
 
     def make(**data):
-        return tiny_config(tmp_path, data={"source": "files", "paths": [str(corpus)], "synthetic_documents": 100,
-                                           "batch_size": 2, **data})
+        return tiny_config(
+            tmp_path,
+            data={"source": "files", "paths": [str(corpus)], "synthetic_documents": 100, "batch_size": 2, **data},
+        )
 
     return make
 
@@ -48,8 +50,12 @@ def read_jsonl(path):
 
 def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, capsys):
     config = text_config()
-    logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
-              f"--trainer.logger.save_dir={tmp_path}/tb", "--sample.prompt=def ", "--sample.max_new_tokens=6"]
+    logger = [
+        "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+        f"--trainer.logger.save_dir={tmp_path}/tb",
+        "--sample.prompt=def ",
+        "--sample.max_new_tokens=6",
+    ]
     main(["fit", "--config", config, *logger])
     samples = read_events(f"{tmp_path}/tb")["text"]["val/sample/text_summary"]
     assert [e.step for e in samples] == [2, 4]  # every validation (val_check_interval=2, max_steps=4)
@@ -58,8 +64,14 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
 
     prompts = write_prompts(tmp_path / "prompts.txt", ["def add(", "", "class Point:\n"[:-1] + "  # a longer prompt"])
     out = tmp_path / "out.jsonl"
-    predict(config, f"--ckpt_path={tmp_path}/ckpts/last.ckpt", f"--data.prompts={prompts}",
-            f"--generate.output={out}", "--generate.max_new_tokens=7", "--generate.temperature=0")
+    predict(
+        config,
+        f"--ckpt_path={tmp_path}/ckpts/last.ckpt",
+        f"--data.prompts={prompts}",
+        f"--generate.output={out}",
+        "--generate.max_new_tokens=7",
+        "--generate.temperature=0",
+    )
     rows = read_jsonl(out)
     assert [r["index"] for r in rows] == [0, 1]  # blank lines are not prompts
     assert rows[0]["prompt"] == "def add(" and rows[1]["prompt"].startswith("class Point:")
@@ -68,8 +80,14 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
         assert row["prompt_tokens"] == len(tok.encode(row["prompt"])) and row["prompt_tokens_dropped"] == 0
         assert row["completion_tokens"] <= 7 and row["stop"] in ("eod", "length")
         assert row["stop"] == "eod" or row["completion_tokens"] == 7
-        assert row["settings"] == {"max_new_tokens": 7, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-                                   "stop_at_eod": True}
+        assert row["settings"] == {
+            "max_new_tokens": 7,
+            "temperature": 0.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "seed": 0,
+            "stop_at_eod": True,
+        }
     # Greedy through Lightning = greedy from the checkpoint's weights directly (batch of 2 with unequal prompts).
     from aah_lightning.lit.module import AAHModule
     from aah_lightning.model.generate import GenerationConfig, generate
@@ -103,8 +121,15 @@ def test_jsonl_prompts_hf_tokenizer_and_long_prompts(tmp_path, text_config):
     prompts.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(["def", long, "class"])))
     out = tmp_path / "out.jsonl"
     with pytest.warns(UserWarning, match="prompt 1 has .* tokens, more than data.seq_len=32"):
-        predict(config, f"--data.prompts={prompts}", f"--generate.output={out}", "--generate.max_new_tokens=5",
-                "--generate.seed=3", "--generate.top_k=20", "--generate.stop_at_eod=false")
+        predict(
+            config,
+            f"--data.prompts={prompts}",
+            f"--generate.output={out}",
+            "--generate.max_new_tokens=5",
+            "--generate.seed=3",
+            "--generate.top_k=20",
+            "--generate.stop_at_eod=false",
+        )
     rows = read_jsonl(out)
     assert [r["prompt"] for r in rows] == ["def", long, "class"]
     assert [r["completion_tokens"] for r in rows] == [5, 5, 5]
@@ -112,8 +137,16 @@ def test_jsonl_prompts_hf_tokenizer_and_long_prompts(tmp_path, text_config):
     assert rows[1]["prompt_tokens"] + rows[1]["prompt_tokens_dropped"] == len(tok.encode(long).ids)
     # Same seed, same completions, whatever the batch size.
     out2 = tmp_path / "out2.jsonl"
-    predict(config, f"--data.prompts={prompts}", f"--generate.output={out2}", "--generate.max_new_tokens=5",
-            "--generate.seed=3", "--generate.top_k=20", "--generate.stop_at_eod=false", "--data.batch_size=1")
+    predict(
+        config,
+        f"--data.prompts={prompts}",
+        f"--generate.output={out2}",
+        "--generate.max_new_tokens=5",
+        "--generate.seed=3",
+        "--generate.top_k=20",
+        "--generate.stop_at_eod=false",
+        "--data.batch_size=1",
+    )
     assert [r["completion"] for r in read_jsonl(out2)] == [r["completion"] for r in rows]
 
 
@@ -163,8 +196,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_config, capsys,
         (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
         args["prompts"] = f"--data.prompts={tmp_path / 'p.jsonl'}"
     elif case in ("temperature", "top_p", "top_k", "max_new_tokens"):
-        extra = [f"--generate.{case}=" + {"temperature": "-1.0", "top_p": "0.0", "top_k": "-2",
-                                          "max_new_tokens": "0"}[case]]
+        extra = [
+            f"--generate.{case}=" + {"temperature": "-1.0", "top_p": "0.0", "top_k": "-2", "max_new_tokens": "0"}[case]
+        ]
     elif case == "no_folder":
         out = tmp_path / "nowhere" / "out.jsonl"
         args["output"] = f"--generate.output={out}"

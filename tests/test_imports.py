@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CHILD = r'''
+CHILD = r"""
 import importlib, multiprocessing as mp, sys, traceback
 import torch, lightning, lightning.pytorch.cli, torchmetrics, datasets, matplotlib.pyplot, tensorboard  # shared, heavy
 assert not [m for m in sys.modules if m.split(".")[0] == "aah_lightning"], "the package was imported before the fork"
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     for name, err in failed:
         print(f"--- import {name} failed:\n{err}")
     sys.exit(1 if failed else 0)
-'''
+"""
 
 
 def package_modules() -> list[str]:

@@ -83,13 +83,17 @@ def test_seq_len_not_positive(tmp_path, capsys):
 # -- data ------------------------------------------------------------------------------------------------------------
 def test_empty_corpus(tmp_path, capsys):
     paths = f"[{text_file(tmp_path, 'empty.txt', '')}]"
-    line = refuse(tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf"))
+    line = refuse(
+        tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf")
+    )
     assert "empty corpus" in line and "data.paths" in line
 
 
 def test_corpus_shorter_than_one_block(tmp_path, capsys):
     paths = f"[{text_file(tmp_path, 'short.txt', 'a short document')}]"
-    line = refuse(tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf"))
+    line = refuse(
+        tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf")
+    )
     assert "data.seq_len" in line and "tokens" in line
 
 
@@ -101,7 +105,9 @@ def test_missing_data_file(tmp_path, capsys):
 def test_unreadable_data_file(tmp_path, capsys):
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"text": "fine"}\nthis line is not json {\n')
-    line = refuse(tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{bad}]", "--data.cache_dir", str(tmp_path / "hf"))
+    line = refuse(
+        tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{bad}]", "--data.cache_dir", str(tmp_path / "hf")
+    )
     assert "data.paths" in line and "json" in line
 
 
@@ -118,8 +124,12 @@ def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
 def test_tokenizer_larger_than_model_vocabulary(tmp_path):
     # The CLI links model.vocab_size to the tokenizer; code that builds the pieces itself gets the same check.
     model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=100)
-    data = TextDataModule(source="files", paths=[text_file(tmp_path)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "hf"))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    data = TextDataModule(
+        source="files", paths=[text_file(tmp_path)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "hf")
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     with pytest.raises(ConfigError, match=r"data.tokenizer='byte' produces ids up to 256, but model.vocab_size=100"):
         trainer.fit(model, datamodule=data)
     assert trainer.global_step == 0
@@ -193,7 +203,9 @@ def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
     # Trainer.fit(ckpt_path=...) directly: AAHModule.on_load_checkpoint reports the setting before load_state_dict.
     model = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=32, vocab_size=65)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     with pytest.raises(ConfigError, match=r"model.n_head=2, but this run builds model.n_head=4"):
         trainer.fit(model, datamodule=data, ckpt_path=good_ckpt)
     assert trainer.global_step == 0
@@ -202,8 +214,11 @@ def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
 def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys):
     # jsonargparse wraps it in "Does not validate against any of the Union subtypes ..." with a traceback.
     line = refuse(
-        tmp_path, capsys, "--trainer.callbacks+=aah_lightning.lit.guards.NonFiniteGuard",
-        "--trainer.callbacks.check_every_n_steps", "0",
+        tmp_path,
+        capsys,
+        "--trainer.callbacks+=aah_lightning.lit.guards.NonFiniteGuard",
+        "--trainer.callbacks.check_every_n_steps",
+        "0",
     )
     assert line == "aah: error: nonfinite_guard.check_every_n_steps=0 is not allowed: a positive integer or null"
 

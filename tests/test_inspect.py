@@ -23,8 +23,16 @@ def checkpoint(tmp_path_factory):
     from conftest import tiny_cli_args
 
     tmp = tmp_path_factory.mktemp("inspect")
-    aah(tiny_cli_args(tmp, "--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]",
-                      "--diagnostics.amc_every_n_steps=0", "--trainer.val_check_interval=2", steps=2))
+    aah(
+        tiny_cli_args(
+            tmp,
+            "--model.aah.policy=random",
+            "--model.aah.candidates=[4,8,16,32]",
+            "--diagnostics.amc_every_n_steps=0",
+            "--trainer.val_check_interval=2",
+            steps=2,
+        )
+    )
     return tmp / "ckpt" / "last.ckpt"
 
 
@@ -85,7 +93,9 @@ def test_runs_as_a_command(checkpoint, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "inspect_windows.py"), str(checkpoint), "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert "window table" in done.stdout and (tmp_path / "windows.csv").exists()

@@ -39,8 +39,15 @@ def tiny_run(tmp_path, max_steps: int, callbacks: list, every_n_train_steps: int
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     last = LastCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=every_n_train_steps)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=str(tmp_path), plugins=[AtomicCheckpointIO()], callbacks=[*callbacks, last],
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[*callbacks, last],
     )
     return model, data, trainer
 
@@ -73,7 +80,9 @@ def test_nonfinite_parameters_block_the_save_even_when_the_loss_was_finite(tmp_p
                 with torch.no_grad():
                     pl_module.model.lm_head.weight[0, 0] = float("nan")
 
-    model, data, trainer = tiny_run(tmp_path, max_steps=8, callbacks=[NonFiniteGuard(check_every_n_steps=100), PoisonAfterLoss()])
+    model, data, trainer = tiny_run(
+        tmp_path, max_steps=8, callbacks=[NonFiniteGuard(check_every_n_steps=100), PoisonAfterLoss()]
+    )
     with pytest.raises(TrainingDiverged, match="parameters became non-finite by global step 4"):
         trainer.fit(model, datamodule=data)
     assert load_checkpoint_file(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 2
@@ -89,7 +98,9 @@ def test_a_healthy_run_is_checked_only_at_check_steps(tmp_path):
 
 
 def test_cli_run_forced_to_diverge_by_a_huge_learning_rate(tmp_path, capsys):
-    config = tiny_config(tmp_path, trainer={"max_steps": 20, "val_check_interval": 10, "default_root_dir": str(tmp_path)})
+    config = tiny_config(
+        tmp_path, trainer={"max_steps": 20, "val_check_interval": 10, "default_root_dir": str(tmp_path)}
+    )
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", config, "--model.optim.lr", "1e30", "--model.optim.warmup_steps", "0"])
     assert exc.value.code == 3
@@ -107,7 +118,11 @@ def test_cli_run_forced_to_diverge_by_a_huge_learning_rate(tmp_path, capsys):
 def test_ddp_ranks_stop_together_when_one_rank_diverges(tmp_path):
     run = subprocess.run(
         [PYTHON, os.path.join(REPO, "tests", "ddp_nonfinite_run.py"), str(tmp_path)],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))

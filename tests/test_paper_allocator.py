@@ -10,13 +10,13 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-from _controller_inputs import one_thread, random_profiles, synthetic_features  # noqa: F401  (one_thread: fixture)
 
+from _controller_inputs import one_thread, random_profiles, synthetic_features  # noqa: F401  (one_thread: fixture)
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.controller.allocators import LayerInputs
-from aah_lightning.aah.controller.registry import ALLOCATORS, make_allocator
 from aah_lightning.aah.controller.hierarchy import Hierarchy
 from aah_lightning.aah.controller.paper_allocator import PaperAllocator
+from aah_lightning.aah.controller.registry import ALLOCATORS, make_allocator
 from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.cli import main
 
@@ -32,8 +32,14 @@ def layer_inputs(hierarchy, seed=0, parent_constraint=True, layer=0, n_head=8):
     features = torch.zeros(n_head, 10 + len(CANDS), dtype=torch.float64)
     features[:, :9] = torch.rand(n_head, 9, generator=g, dtype=torch.float64) * 2  # positive, like the statistics
     return LayerInputs(
-        hierarchy=hierarchy, profile=torch.ones(n_head, len(CANDS), dtype=torch.float64), features=features,
-        candidates=CANDS, seq_len=T, coverage_target=0.9, parent_constraint=parent_constraint, layer=layer,
+        hierarchy=hierarchy,
+        profile=torch.ones(n_head, len(CANDS), dtype=torch.float64),
+        features=features,
+        candidates=CANDS,
+        seq_len=T,
+        coverage_target=0.9,
+        parent_constraint=parent_constraint,
+        layer=layer,
     )
 
 
@@ -44,8 +50,10 @@ def reference_decision(alloc: PaperAllocator, inputs: LayerInputs, joint: bool) 
     controller = nn.Sequential(nn.Linear(29, 16), nn.GELU(), nn.Linear(16, K)).double()
     scorer = nn.Sequential(nn.Linear(116, 64), nn.GELU(), nn.Linear(64, 2 * K)).double()
     with torch.no_grad():
-        for module, (wk, bk) in zip((controller[0], controller[2], scorer[0], scorer[2]),
-                                    (("w1", "b1"), ("w2", "b2"), ("j1", "jb1"), ("j2", "jb2"))):
+        for module, (wk, bk) in zip(
+            (controller[0], controller[2], scorer[0], scorer[2]),
+            (("w1", "b1"), ("w2", "b2"), ("j1", "jb1"), ("j2", "jb2")),
+        ):
             module.weight.copy_(w[wk])
             module.bias.copy_(w[bk])
     levels = inputs.hierarchy.levels
@@ -67,8 +75,17 @@ def reference_decision(alloc: PaperAllocator, inputs: LayerInputs, joint: bool) 
             else:
                 kids = [c for c in range(len(levels[level - 1])) if parent_of(level - 1, c) == gi]
                 size = len(kids) / len(levels[level - 1])
-            rows.append(torch.cat([f, torch.tensor([level / max(1, L - 1)], dtype=x.dtype), pdiff, f - mean,
-                                   torch.tensor([size], dtype=x.dtype)]))
+            rows.append(
+                torch.cat(
+                    [
+                        f,
+                        torch.tensor([level / max(1, L - 1)], dtype=x.dtype),
+                        pdiff,
+                        f - mean,
+                        torch.tensor([size], dtype=x.dtype),
+                    ]
+                )
+            )
         return torch.stack(rows)
 
     def scores(level, pairs):
@@ -101,10 +118,18 @@ def test_registered_and_built_with_the_reference_shapes():
     alloc = make_allocator(ctl, 3, CANDS, seed=0)
     assert len(alloc.layers) == 3
     shapes = {k: tuple(v.shape) for k, v in alloc.layers[0].items()}
-    assert shapes == {"w1": (16, 29), "b1": (16,), "w2": (4, 16), "b2": (4,),
-                      "j1": (64, 116), "jb1": (64,), "j2": (8, 64), "jb2": (8,)}
+    assert shapes == {
+        "w1": (16, 29),
+        "b1": (16,),
+        "w2": (4, 16),
+        "b2": (4,),
+        "j1": (64, 116),
+        "jb1": (64,),
+        "j2": (8, 64),
+        "jb2": (8,),
+    }
     # PyTorch's default nn.Linear init: |w| <= 1/sqrt(fan_in)
-    assert alloc.layers[0]["j1"].abs().max() <= 116 ** -0.5 and alloc.layers[0]["w1"].abs().max() <= 29 ** -0.5
+    assert alloc.layers[0]["j1"].abs().max() <= 116**-0.5 and alloc.layers[0]["w1"].abs().max() <= 29**-0.5
     # the three layers are independent networks
     assert not torch.equal(alloc.layers[0]["w1"], alloc.layers[1]["w1"])
 
@@ -178,11 +203,17 @@ def test_the_networks_have_no_gradient_path():
 
 
 def test_weights_are_untouched_by_training_and_outside_the_optimizer(tmp_path, tiny_args, one_thread):
-    main(tiny_args(
-        "--model.aah.policy=adaptive", "--model.aah.candidates=[4,8,16,32]", "--model.aah.seed=5",
-        "--model.aah.controller.allocator=paper", "--model.aah.controller.warmup_steps=2",
-        "--model.aah.controller.control_interval=2", steps=6,
-    ))
+    main(
+        tiny_args(
+            "--model.aah.policy=adaptive",
+            "--model.aah.candidates=[4,8,16,32]",
+            "--model.aah.seed=5",
+            "--model.aah.controller.allocator=paper",
+            "--model.aah.controller.warmup_steps=2",
+            "--model.aah.controller.control_interval=2",
+            steps=6,
+        )
+    )
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     state = ckpt["aah_policy"]
     assert state["decisions"] == 2  # steps 2 and 4
@@ -205,14 +236,20 @@ def _roundtrip(obj):
 
 def test_policy_state_round_trips_and_a_resumed_policy_decides_identically():
     def policy(seed):
-        cfg = AAHConfig(policy="adaptive", candidates=CANDS, seed=seed, controller=ControllerConfig(
-            allocator="paper", depth=3, warmup_steps=0, control_interval=1))
+        cfg = AAHConfig(
+            policy="adaptive",
+            candidates=CANDS,
+            seed=seed,
+            controller=ControllerConfig(allocator="paper", depth=3, warmup_steps=0, control_interval=1),
+        )
         return make_policy(cfg, 2, 8, T)
 
     g = torch.Generator().manual_seed(0)
     a = policy(0)
-    x = [synthetic_features(a, random_profiles(2, 8, len(CANDS), g), torch.rand(2, 8, 9, generator=g) + 0.5)
-         for _ in range(4)]
+    x = [
+        synthetic_features(a, random_profiles(2, 8, len(CANDS), g), torch.rand(2, 8, 9, generator=g) + 0.5)
+        for _ in range(4)
+    ]
     a.decide(x[0], 0)
     a.decide(x[1], 1)
     b = policy(99)  # another seed: different networks until the state is loaded

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 import torch
 import yaml
-from _controller_inputs import random_profiles, synthetic_features
 
+from _controller_inputs import random_profiles, synthetic_features
 from aah_lightning.aah.shuffle import ShufflePolicy
 from aah_lightning.cli import AAHCLI
 from aah_lightning.lit.datamodule import TextDataModule
@@ -17,8 +17,18 @@ from aah_lightning.lit.module import AAHModule
 
 FOLDERS = ("configs/cpu", "configs/paper")
 REQUIRED = {
-    "baseline", "fixed_w", "random_windows", "shuffle_post_select", "grouping_off", "full_adaptive", "shallow_freeze",
-    "deep_practical_reuse", "fixed_random_grouping", "no_feature_ema", "no_parent_constraint", "control_interval_10",
+    "baseline",
+    "fixed_w",
+    "random_windows",
+    "shuffle_post_select",
+    "grouping_off",
+    "full_adaptive",
+    "shallow_freeze",
+    "deep_practical_reuse",
+    "fixed_random_grouping",
+    "no_feature_ema",
+    "no_parent_constraint",
+    "control_interval_10",
     "static",
 }
 WARMUP = 100
@@ -46,12 +56,17 @@ def build(folder, row, tmp_path):
     """The CLI's parse of base + row, with its classes built (paper scale: 24 channels instead of 1536, on CPU)."""
     small = ["--model.n_embd=24", "--trainer.accelerator=cpu", "--trainer.precision=32-true"]
     args = [
-        "--config", f"{folder}/base.yaml", "--config", f"{folder}/{row}.yaml",
-        f"--trainer.logger.init_args.save_dir={tmp_path}/runs", f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--config",
+        f"{folder}/base.yaml",
+        "--config",
+        f"{folder}/{row}.yaml",
+        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
         *(small if folder == "configs/paper" else []),
     ]
-    return AAHCLI(AAHModule, TextDataModule, run=False, args=args, seed_everything_default=1234,
-                  auto_configure_optimizers=False)
+    return AAHCLI(
+        AAHModule, TextDataModule, run=False, args=args, seed_everything_default=1234, auto_configure_optimizers=False
+    )
 
 
 def test_both_scales_have_every_row_of_the_paper():
@@ -79,8 +94,11 @@ def decide(policy, seed=0):
     """One decision of an adaptive (or shuffle) policy on constructed features: the table it returns."""
     inner = policy.inner if isinstance(policy, ShufflePolicy) else policy
     g = torch.Generator().manual_seed(seed)
-    x = synthetic_features(inner, random_profiles(policy.n_layer, policy.n_head, len(policy.candidates), g),
-                           torch.rand(policy.n_layer, policy.n_head, 9, generator=g, dtype=torch.float64) + 0.5)
+    x = synthetic_features(
+        inner,
+        random_profiles(policy.n_layer, policy.n_head, len(policy.candidates), g),
+        torch.rand(policy.n_layer, policy.n_head, 9, generator=g, dtype=torch.float64) + 0.5,
+    )
     inner.measure = lambda model, tokens, doc_ids=None: x
     batch = {"tokens": torch.zeros(1, policy.seq_len + 1, dtype=torch.long)}
     step = inner.ctl.warmup_steps

@@ -3,8 +3,8 @@
 import io
 
 import torch
-from _controller_inputs import random_profiles, synthetic_features
 
+from _controller_inputs import synthetic_features
 from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.aah.policy_base import POLICIES, make_policy
 from aah_lightning.aah.shuffle import ShufflePolicy
@@ -17,8 +17,13 @@ BATCH = {"tokens": torch.zeros(2, T + 1, dtype=torch.long), "doc_ids": torch.zer
 def make(policy="shuffle", seed=0, redraw_interval=0, **controller):
     settings = dict(warmup_steps=2, control_interval=3, coverage_target=0.9, depth=2, ema_alpha=0.0)
     settings.update(controller)
-    cfg = AAHConfig(policy=policy, candidates=CANDS, seed=seed, redraw_interval=redraw_interval,
-                    controller=ControllerConfig(**settings))
+    cfg = AAHConfig(
+        policy=policy,
+        candidates=CANDS,
+        seed=seed,
+        redraw_interval=redraw_interval,
+        controller=ControllerConfig(**settings),
+    )
     return make_policy(cfg, 2, 6, T)
 
 

@@ -7,8 +7,8 @@ import os
 import statistics
 
 import pytest
-from tb import read_events
 
+from tb import read_events
 from tools import suite
 
 BASE = """\
@@ -99,9 +99,20 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
 
     lines = (out / "results.md").read_text().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["row", "seeds", "val loss", "val ppl", "Δ val loss vs baseline", "gain in last val interval",
-                      "ACR", "ACR, mean over the run", "causal coverage", "block density", "attention-mass coverage",
-                      "tokens/s"]
+    assert header == [
+        "row",
+        "seeds",
+        "val loss",
+        "val ppl",
+        "Δ val loss vs baseline",
+        "gain in last val interval",
+        "ACR",
+        "ACR, mean over the run",
+        "causal coverage",
+        "block density",
+        "attention-mass coverage",
+        "tokens/s",
+    ]
     body = {cell(line, 0): line for line in lines[2:]}
     assert set(body) == set(ROWS)
     loss = {r: [last(events[(r, s)], "val/loss") for s in SEEDS] for r in ROWS}
@@ -128,8 +139,9 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
 
     # the seed reaches the policy: each run's adaptive state was seeded by its own seed
     for s in SEEDS:
-        assert f"--model.aah.seed={s}" in suite.fit_command(str(rows_dir), str(rows_dir / "baseline.yaml"), s,
-                                                              str(out), [])
+        assert f"--model.aah.seed={s}" in suite.fit_command(
+            str(rows_dir), str(rows_dir / "baseline.yaml"), s, str(out), []
+        )
 
     # a second invocation reuses the finished runs instead of training again
     stamps = {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")}

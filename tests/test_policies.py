@@ -11,8 +11,12 @@ from aah_lightning.lit.module import AAHModule
 
 
 def test_full_fixed_static_tables():
-    assert torch.equal(make_policy(AAHConfig("full"), 2, 3, 64).initial_table(), torch.full((2, 3), 64, dtype=torch.int32))
-    assert torch.equal(make_policy(AAHConfig("fixed", window=8), 2, 3, 64).initial_table(), torch.full((2, 3), 8, dtype=torch.int32))
+    assert torch.equal(
+        make_policy(AAHConfig("full"), 2, 3, 64).initial_table(), torch.full((2, 3), 64, dtype=torch.int32)
+    )
+    assert torch.equal(
+        make_policy(AAHConfig("fixed", window=8), 2, 3, 64).initial_table(), torch.full((2, 3), 8, dtype=torch.int32)
+    )
     table = [[1, 2, 64], [8, 8, 16]]
     assert make_policy(AAHConfig("static", table=table), 2, 3, 64).initial_table().tolist() == table
 
@@ -66,8 +70,11 @@ def load_config(*paths):
 def test_each_policy_config_builds_the_table_it_describes(path):
     cfg = load_config("configs/quickstart.yaml", path)
     model_cfg = cfg["model"]
-    module = AAHModule(**{k: v for k, v in model_cfg.items() if k != "aah"}, seq_len=cfg["data"]["seq_len"],
-                       aah=AAHConfig(**model_cfg["aah"]))
+    module = AAHModule(
+        **{k: v for k, v in model_cfg.items() if k != "aah"},
+        seq_len=cfg["data"]["seq_len"],
+        aah=AAHConfig(**model_cfg["aah"]),
+    )
     table = module.model.windows
     aah = model_cfg["aah"]
     assert table.shape == (model_cfg["n_layer"], model_cfg["n_head"])

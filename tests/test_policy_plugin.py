@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 import torch
-from _cli_helpers import cli_error
 
+from _cli_helpers import cli_error
 from aah_lightning.aah.policy_base import POLICIES
 from aah_lightning.cli import main
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from _resume_helpers import read_run
-from tb import read_events
 from aah_lightning.cli import main
 from aah_lightning.data import corpora
 from aah_lightning.data.synthetic import synthetic_documents
+from tb import read_events
 
 STEPS, INTERRUPT_AT = 8, 4
 POLICY = ["--model.aah.policy=random", "--model.aah.candidates=[8,16,32]", "--model.aah.redraw_interval=3"]
@@ -34,8 +34,15 @@ def _run(tiny_args, folder, *extra):
 
 def _interrupted_then_resumed(tiny_args, folder, *extra):
     with pytest.raises(RuntimeError, match="simulated preemption"):
-        main(_run(tiny_args, folder, *extra, "--trainer.callbacks+=_resume_helpers.Interrupt",
-                  f"--trainer.callbacks.at_step={INTERRUPT_AT}"))
+        main(
+            _run(
+                tiny_args,
+                folder,
+                *extra,
+                "--trainer.callbacks+=_resume_helpers.Interrupt",
+                f"--trainer.callbacks.at_step={INTERRUPT_AT}",
+            )
+        )
     saved = torch.load(f"{folder}/ckpt/last.ckpt", weights_only=True)
     assert saved["global_step"] == INTERRUPT_AT
     main(_run(tiny_args, folder, *extra, "--ckpt_path=last"))

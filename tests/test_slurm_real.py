@@ -49,10 +49,16 @@ class SlurmProbe(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         env = trainer._accelerator_connector.cluster_environment
-        self._write(f"start.{self.restart}.rank{trainer.global_rank}.json", {
-            "environment": type(env).__name__, "auto_requeue": getattr(env, "auto_requeue", None),
-            "world_size": trainer.world_size, "procid": int(os.environ["SLURM_PROCID"]), "step": trainer.global_step,
-        })
+        self._write(
+            f"start.{self.restart}.rank{trainer.global_rank}.json",
+            {
+                "environment": type(env).__name__,
+                "auto_requeue": getattr(env, "auto_requeue", None),
+                "world_size": trainer.world_size,
+                "procid": int(os.environ["SLURM_PROCID"]),
+                "step": trainer.global_step,
+            },
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         at_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
@@ -82,8 +88,9 @@ def slurm():
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `aah` of this environment
     pids = []
     try:
-        started = subprocess.run([SLURM_LOCAL, "start", folder], capture_output=True, text=True, timeout=600,
-                                 check=False)
+        started = subprocess.run(
+            [SLURM_LOCAL, "start", folder], capture_output=True, text=True, timeout=600, check=False
+        )
         for path in glob.glob(os.path.join(folder, "*.pid")):
             with open(path) as f:
                 pids.append(int(f.read()))
@@ -139,13 +146,23 @@ def _cpu_config(folder) -> str:
     come from the batch script."""
     cfg = {
         "trainer": {
-            "accelerator": "cpu", "precision": "32-true", "max_steps": STEPS, "accumulate_grad_batches": 2,
-            "val_check_interval": 4, "limit_val_batches": 1, "log_every_n_steps": 1,
-            "enable_progress_bar": False, "enable_model_summary": False,
+            "accelerator": "cpu",
+            "precision": "32-true",
+            "max_steps": STEPS,
+            "accumulate_grad_batches": 2,
+            "val_check_interval": 4,
+            "limit_val_batches": 1,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
         },
         "checkpoint": {"every_n_train_steps": 1},
         "model": {
-            "n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_embd": 32,
+            "backend": "auto",
+            "compile_blocks": False,
             "activation_checkpointing": False,
             "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
         },
@@ -161,14 +178,37 @@ def _submit(slurm, name: str, strategy: str, hold_at: list[int]) -> tuple[str, s
     env, root = slurm
     folder = os.path.join(root, name)
     os.makedirs(folder)
-    env = dict(env, STRATEGY=strategy, RUN_DIR=os.path.join(folder, "run"),
-               AAH_CONFIGS=os.path.join(REPO, "configs", "cluster"))
-    probe = ["--trainer.callbacks+=test_slurm_real.SlurmProbe", f"--trainer.callbacks.folder={folder}",
-             f"--trainer.callbacks.hold_at={hold_at}"]
+    env = dict(
+        env,
+        STRATEGY=strategy,
+        RUN_DIR=os.path.join(folder, "run"),
+        AAH_CONFIGS=os.path.join(REPO, "configs", "cluster"),
+    )
+    probe = [
+        "--trainer.callbacks+=test_slurm_real.SlurmProbe",
+        f"--trainer.callbacks.folder={folder}",
+        f"--trainer.callbacks.hold_at={hold_at}",
+    ]
     out = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
-         f"--job-name={name}", f"--output={folder}/slurm-%j.out", SCRIPT, "--config", _cpu_config(folder), *probe],
-        env=env, cwd=folder, capture_output=True, text=True, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            f"--job-name={name}",
+            f"--output={folder}/slurm-%j.out",
+            SCRIPT,
+            "--config",
+            _cpu_config(folder),
+            *probe,
+        ],
+        env=env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.strip(), folder
 
@@ -197,8 +237,11 @@ def _weights(folder) -> dict:
 
 
 def _finished(env, job_id: str, folder) -> dict:
-    _wait(lambda: _job(env, job_id)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
-          f"job {job_id} to end", folder)
+    _wait(
+        lambda: _job(env, job_id)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
+        f"job {job_id} to end",
+        folder,
+    )
     return _job(env, job_id)
 
 

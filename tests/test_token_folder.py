@@ -72,8 +72,14 @@ def test_round_trip_stdlib_equals_reading_into_memory():
 
 def test_round_trip_hf_tokenizer_with_byte_counts(tmp_path):
     tok = _bpe(tmp_path)
-    dm = TextDataModule(source="files", paths=[_texts_file(tmp_path, TEXTS)], tokenizer=tok, seq_len=16,
-                        cache_dir=str(tmp_path / "cache"), seed=7)
+    dm = TextDataModule(
+        source="files",
+        paths=[_texts_file(tmp_path, TEXTS)],
+        tokenizer=tok,
+        seq_len=16,
+        cache_dir=str(tmp_path / "cache"),
+        seed=7,
+    )
     dm.setup("fit")
     hf = HFTokenizer(tok)
     tokens, doc_ids = _in_memory(TEXTS, hf, 7)
@@ -146,8 +152,15 @@ def test_test_blocks_are_held_out_and_aah_test_evaluates_them(tmp_path):
 
     from aah_lightning.lit.module import AAHModule
 
-    dm = TextDataModule(source="files", paths=[_texts_file(tmp_path, TEXTS)], seq_len=16, batch_size=4,
-                        cache_dir=str(tmp_path / "cache"), val_fraction=0.1, test_fraction=0.1)
+    dm = TextDataModule(
+        source="files",
+        paths=[_texts_file(tmp_path, TEXTS)],
+        seq_len=16,
+        batch_size=4,
+        cache_dir=str(tmp_path / "cache"),
+        val_fraction=0.1,
+        test_fraction=0.1,
+    )
     dm.setup("test")
     test = torch.cat([b["tokens"] for b in dm.test_dataloader()])
     n_train, n_test = len(dm.train_set), len(dm.test_set)
@@ -268,7 +281,7 @@ from aah_lightning.data.tokenizers import ByteTokenizer
 def killed(self, meta):
     os.kill(os.getpid(), signal.SIGKILL)  # everything written, not yet renamed into place
 token_folder.FolderWriter.finish = killed
-ds = corpora.file_corpus([{jsonl!r}], cache_dir={str(tmp_path / 'hf')!r})
+ds = corpora.file_corpus([{jsonl!r}], cache_dir={str(tmp_path / "hf")!r})
 prepare.prepare(ds, ByteTokenizer(), {str(out)!r}, {{"key": "k"}}, seed=0, progress=False)
 """
     proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), cwd=REPO, capture_output=True)
@@ -286,8 +299,16 @@ def test_cli_refuses_a_path_that_is_not_a_token_folder(tmp_path, capsys):
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as e:
-        main(["fit", "--data.source=tokens", f"--data.path={tmp_path / 'empty'}", "--trainer.accelerator=cpu",
-              "--trainer.logger=false", f"--checkpoint.dirpath={tmp_path}/ckpt"])
+        main(
+            [
+                "fit",
+                "--data.source=tokens",
+                f"--data.path={tmp_path / 'empty'}",
+                "--trainer.accelerator=cpu",
+                "--trainer.logger=false",
+                f"--checkpoint.dirpath={tmp_path}/ckpt",
+            ]
+        )
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("aah: error: data.path=") and "is not a token folder" in err[-1]
@@ -301,8 +322,9 @@ def test_ranks_read_disjoint_shards_of_a_token_folder(tmp_path):
     seen = []
     for rank in range(2):
         dm = TextDataModule(source="tokens", path=folder, seq_len=16, batch_size=2)
-        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, max_steps=-1, global_step=0,
-                                     accumulate_grad_batches=1, current_epoch=0)
+        dm.trainer = SimpleNamespace(
+            global_rank=rank, world_size=2, max_steps=-1, global_step=0, accumulate_grad_batches=1, current_epoch=0
+        )
         dm.setup("fit")
         seen.append([i for b in dm.train_dataloader() for i in b["index"].tolist()])
     assert not set(seen[0]) & set(seen[1])
@@ -313,9 +335,8 @@ def test_ranks_read_disjoint_shards_of_a_token_folder(tmp_path):
 
 
 def test_resume_from_a_token_folder_is_exact(tmp_path, tiny_args):
-    from test_resume import _check, _interrupted_then_resumed, _run
-
     from aah_lightning.cli import main
+    from test_resume import _check, _interrupted_then_resumed, _run
 
     folder = _small_folder(tmp_path, texts=TEXTS * 4)
     extra = ["--data.source=tokens", f"--data.path={folder}", "--data.seq_len=32"]

@@ -134,8 +134,16 @@ def section_a(args, device, dtype) -> str:
         for name, times in results.items():
             ratio = med(times) / c
             rows_train.append(
-                [T, name, fmt(times), f"{ratio:.3f}", f"{cov:.3f}", f"{dens:.3f}", f"{band_work:.3f}",
-                 "-" if name == "sdpa causal" else f"{ratio / cov:.2f}"]
+                [
+                    T,
+                    name,
+                    fmt(times),
+                    f"{ratio:.3f}",
+                    f"{cov:.3f}",
+                    f"{dens:.3f}",
+                    f"{band_work:.3f}",
+                    "-" if name == "sdpa causal" else f"{ratio / cov:.2f}",
+                ]
             )
         if T == max(args.seq_lens):
             r = med(results["banded"]) / c / cov
@@ -143,8 +151,12 @@ def section_a(args, device, dtype) -> str:
             if device.type == "cuda":
                 r = med(results["flex"]) / (med(results["flex causal"]) * dens)
                 r2 = med(results["flex"]) / (c * dens)
-                check(f"(a) CUDA flex fwd+bwd <= 1.3 x causal x block density, T={T}", max(r, r2), 1.3,
-                      f"{r:.2f} x (flex causal x density), {r2:.2f} x (sdpa causal x density)")
+                check(
+                    f"(a) CUDA flex fwd+bwd <= 1.3 x causal x block density, T={T}",
+                    max(r, r2),
+                    1.3,
+                    f"{r:.2f} x (flex causal x density), {r2:.2f} x (sdpa causal x density)",
+                )
 
         # Inference (forward only): compiled flex tracks block density, whatever the head order.
         with torch.no_grad():
@@ -172,25 +184,57 @@ def section_a(args, device, dtype) -> str:
             for name, times in (("increasing head order", given), ("planner order", balanced)):
                 for base_name, base in (("flex", flex_c), ("sdpa", sdpa_fwd)):
                     r = med(times) / (med(base) * dens)
-                    check(f"(a') CPU compiled flex inference, {name} <= 1.15 x {base_name} causal x block density, "
-                          f"T={T}", r, 1.15, f"{r:.2f} x")
-        for name, times in [("sdpa causal", sdpa_fwd), ("flex causal", flex_c),
-                            ("flex AAH, increasing head order", given), (f"flex AAH, planner ({permuted})", balanced),
-                            ("banded AAH (no compile)", band_fwd)]:
+                    check(
+                        f"(a') CPU compiled flex inference, {name} <= 1.15 x {base_name} causal x block density, T={T}",
+                        r,
+                        1.15,
+                        f"{r:.2f} x",
+                    )
+        for name, times in [
+            ("sdpa causal", sdpa_fwd),
+            ("flex causal", flex_c),
+            ("flex AAH, increasing head order", given),
+            (f"flex AAH, planner ({permuted})", balanced),
+            ("banded AAH (no compile)", band_fwd),
+        ]:
             rows_infer.append(
-                [T, name, fmt(times), f"{med(times) / med(flex_c):.3f}", f"{med(times) / med(sdpa_fwd):.3f}",
-                 f"{dens:.3f}", f"{med(times) / (med(flex_c) * dens):.2f}", f"{med(times) / (med(sdpa_fwd) * dens):.2f}"]
+                [
+                    T,
+                    name,
+                    fmt(times),
+                    f"{med(times) / med(flex_c):.3f}",
+                    f"{med(times) / med(sdpa_fwd):.3f}",
+                    f"{dens:.3f}",
+                    f"{med(times) / (med(flex_c) * dens):.2f}",
+                    f"{med(times) / (med(sdpa_fwd) * dens):.2f}",
+                ]
             )
     out = md_table(
         f"(a) attention forward+backward, B={B}, H={H}, D={D}, {dtype}, window mix {PAPER_MIX} of T/8..T",
-        ["T", "backend", "ms median [min, max]", "time / causal", "causal coverage", "block density",
-         "banded pairs / causal", "(time / causal) / coverage"],
+        [
+            "T",
+            "backend",
+            "ms median [min, max]",
+            "time / causal",
+            "causal coverage",
+            "block density",
+            "banded pairs / causal",
+            "(time / causal) / coverage",
+        ],
         rows_train,
     )
     out += "\n" + md_table(
         "(a') attention forward only (inference): compiled flex, and banded for comparison",
-        ["T", "kernel", "ms median [min, max]", "/ flex causal", "/ sdpa causal", "block density",
-         "/ (flex causal x density)", "/ (sdpa causal x density)"],
+        [
+            "T",
+            "kernel",
+            "ms median [min, max]",
+            "/ flex causal",
+            "/ sdpa causal",
+            "block density",
+            "/ (flex causal x density)",
+            "/ (sdpa causal x density)",
+        ],
         rows_infer,
     )
     return out
@@ -250,15 +294,24 @@ def section_b(args, device, dtype) -> tuple[str, float]:
     for name, times in results.items():
         tok_s = [B * T / (t / 1e3) for t in times]
         kinds = sorted({p.kind for p in models[name].attention_plans(T)})
-        rows.append([name, runs[name][1] + " -> " + "/".join(kinds), fmt(times),
-                     f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]", f"{med(tok_s) / base:.2f}"])
+        rows.append(
+            [
+                name,
+                runs[name][1] + " -> " + "/".join(kinds),
+                fmt(times),
+                f"{med(tok_s):.0f} [{min(tok_s):.0f}, {max(tok_s):.0f}]",
+                f"{med(tok_s) / base:.2f}",
+            ]
+        )
     speedup = med([B * T / (t / 1e3) for t in results["AAH"]]) / base
     goal = 1.15 if device.type == "cuda" else 1.3
     check(f"(b) AAH tokens/s >= {goal} x full causal, T={T}", speedup, goal, f"{speedup:.2f} x", higher_is_better=True)
     cfg = models["AAH"].cfg
-    title = (f"(b) training step (fwd+bwd+AdamW), {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
-             f"{models['AAH'].num_params() / 1e6:.1f}M params, B={B}, T={T}, {dtype}; AAH table ACR {acr:.3f}, "
-             f"causal coverage {cov:.3f}")
+    title = (
+        f"(b) training step (fwd+bwd+AdamW), {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
+        f"{models['AAH'].num_params() / 1e6:.1f}M params, B={B}, T={T}, {dtype}; AAH table ACR {acr:.3f}, "
+        f"causal coverage {cov:.3f}"
+    )
     header = ["windows", "backend -> plans", "step ms median [min, max]", "tokens/s", "vs full causal"]
     return md_table(title, header, rows), med(results["AAH"])
 
@@ -304,8 +357,11 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
         overhead = per_interval / (50 * step_ms)
         check("(c) controller overhead <= 3 %", 100 * overhead, 3.0, f"{100 * overhead:.2f} %")
         rows = [[fmt(control), f"{statistics.mean(per_step):.3f}", f"{step_ms:.0f}", f"{100 * overhead:.2f} %"]]
-        return md_table(title + f" (settings {settings})",
-                     ["control step ms", "other steps ms (mean)", "training step ms", "overhead per interval"], rows)
+        return md_table(
+            title + f" (settings {settings})",
+            ["control step ms", "other steps ms (mean)", "training step ms", "overhead per interval"],
+            rows,
+        )
     except Exception as err:  # the controller is being written in parallel: report, don't crash the bench
         return f"### {title}\n\nn/a (controller failed: {type(err).__name__}: {err})\n"
 
@@ -326,10 +382,17 @@ def section_d(args, device) -> str:
             sync(device)
             times.append((CLOCK() - start) * 1e3)
         rows.append([backend, fmt(times[1:])])
-        check(f"(d) rebuild of {L} x {H} {backend} plans at T={T} <= 50 ms", med(times[1:]), 50.0,
-              f"{med(times[1:]):.1f} ms")
-    return md_table(f"(d) mask rebuild, {L} layers x {H} heads, T={T}, all rows changed (planner, incl. table read)",
-                 ["plans", "ms median [min, max]"], rows)
+        check(
+            f"(d) rebuild of {L} x {H} {backend} plans at T={T} <= 50 ms",
+            med(times[1:]),
+            50.0,
+            f"{med(times[1:]):.1f} ms",
+        )
+    return md_table(
+        f"(d) mask rebuild, {L} layers x {H} heads, T={T}, all rows changed (planner, incl. table read)",
+        ["plans", "ms median [min, max]"],
+        rows,
+    )
 
 
 # -- (e) recompiles --------------------------------------------------------------------------------------------------
@@ -366,12 +429,26 @@ def section_e(args, device, dtype) -> str:
     after = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
     with torch.set_grad_enabled(train):
         kinds = sorted({p.kind for p in model.attention_plans(T)})
-    check("(e) recompiles after warm-up == 0", after[0] - before[0] + after[1] - before[1], 0,
-          f"{after[0] - before[0]} graphs, {after[1] - before[1]} frames")
-    rows = [[f"{'fwd+bwd' if train else 'forward (no_grad)'}, T={T}", changes, "/".join(kinds),
-             after[0] - before[0], after[1] - before[1]]]
-    return md_table("(e) recompiles after warm-up while the window values change",
-                 ["run", "window changes", "plans", "new graphs", "new compiled frames"], rows)
+    check(
+        "(e) recompiles after warm-up == 0",
+        after[0] - before[0] + after[1] - before[1],
+        0,
+        f"{after[0] - before[0]} graphs, {after[1] - before[1]} frames",
+    )
+    rows = [
+        [
+            f"{'fwd+bwd' if train else 'forward (no_grad)'}, T={T}",
+            changes,
+            "/".join(kinds),
+            after[0] - before[0],
+            after[1] - before[1],
+        ]
+    ]
+    return md_table(
+        "(e) recompiles after warm-up while the window values change",
+        ["run", "window changes", "plans", "new graphs", "new compiled frames"],
+        rows,
+    )
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
@@ -382,8 +459,10 @@ def machine(device) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    text = (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"clock {'CPU time' if CLOCK is time.process_time else 'wall'}")
+    text = (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"clock {'CPU time' if CLOCK is time.process_time else 'wall'}"
+    )
     if device.type == "cuda":
         text += f", {torch.cuda.get_device_name(device)}"
     try:
@@ -397,8 +476,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                   help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier",
+    )
     p.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ad'")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--heads", type=int, default=20, help="(a): 20 heads give the paper's mix 13/2/2/3")

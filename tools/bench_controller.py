@@ -54,17 +54,22 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     T, interval = args.seq_len, args.control_interval
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=T, n_layer=args.n_layer, n_head=args.n_head,
-                          n_embd=args.n_embd)).to(device)
+    model = GPT(
+        GPTConfig(vocab_size=args.vocab, seq_len=T, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     candidates = default_candidates(T)
     controller = ControllerConfig(
-        warmup_steps=args.warmup, control_interval=interval, depth=args.depth,
-        probe_sequences=args.probe_sequences, probe_queries=args.probe_queries,
+        warmup_steps=args.warmup,
+        control_interval=interval,
+        depth=args.depth,
+        probe_sequences=args.probe_sequences,
+        probe_queries=args.probe_queries,
         coverage_target=0.5,  # an untrained model attends diffusely: a low target makes the table really change
     )
-    policy = make_policy(AAHConfig(policy="adaptive", candidates=candidates, controller=controller),
-                         args.n_layer, args.n_head, T)
+    policy = make_policy(
+        AAHConfig(policy="adaptive", candidates=candidates, controller=controller), args.n_layer, args.n_head, T
+    )
     model.set_windows(policy.initial_table())
 
     timings = {"measure": [], "decide": [], "masks": []}
@@ -77,6 +82,7 @@ def main(argv=None) -> None:
             sync(device)
             timings[name].append(time.perf_counter() - t0)
             return out
+
         return wrapper
 
     policy.measure = timed("measure", policy.measure)
@@ -116,18 +122,26 @@ def main(argv=None) -> None:
     per_control = sum(parts.values())
     overhead = per_control / (interval * train_ms) * 100
     shape = f"L={args.n_layer} H={args.n_head} d={args.n_embd} T={T} B={args.batch_size}"
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, {shape}, "
-          f"{len(timings['decide'])} decisions, {changes} table changes")
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, {shape}, "
+        f"{len(timings['decide'])} decisions, {changes} table changes"
+    )
     print()
-    print(md_table(None, ["part", "ms"], [
-        [f"training step (median of {len(step_times)})", f"{train_ms:.2f}"],
-        ["control step: probe + features (`measure`)", f"{parts['measure']:.2f}"],
-        ["control step: decision on CPU (`decide`)", f"{parts['decide']:.2f}"],
-        ["control step: mask rebuild after a change", f"{parts['masks']:.2f}"],
-        ["control step total", f"{per_control:.2f}"],
-        [f"**overhead at control_interval {interval}**", f"**{overhead:.2f} %**"],
-    ]))
+    print(
+        md_table(
+            None,
+            ["part", "ms"],
+            [
+                [f"training step (median of {len(step_times)})", f"{train_ms:.2f}"],
+                ["control step: probe + features (`measure`)", f"{parts['measure']:.2f}"],
+                ["control step: decision on CPU (`decide`)", f"{parts['decide']:.2f}"],
+                ["control step: mask rebuild after a change", f"{parts['masks']:.2f}"],
+                ["control step total", f"{per_control:.2f}"],
+                [f"**overhead at control_interval {interval}**", f"**{overhead:.2f} %**"],
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,9 +64,14 @@ def section(T: int, args) -> str:
         return run
 
     prefill_times = timeit(
-        {f"{kind} {name}": forward(models[name]) if kind == "forward" else prefill(name)
-         for name in models for kind in ("forward", "prefill")},
-        torch.device("cpu"), args.prefill_repeats, warmup=1,
+        {
+            f"{kind} {name}": forward(models[name]) if kind == "forward" else prefill(name)
+            for name in models
+            for kind in ("forward", "prefill")
+        },
+        torch.device("cpu"),
+        args.prefill_repeats,
+        warmup=1,
     )
     nxt = torch.randint(257, (B,), generator=torch.Generator().manual_seed(1))
 
@@ -84,23 +89,50 @@ def section(T: int, args) -> str:
         exact = gen.cache_bytes(m.windows.tolist(), T + steps, cfg.head_dim, B)
         assert nbytes == exact, (nbytes, exact)
         pre, fwd = prefill_times[f"prefill {name}"], prefill_times[f"forward {name}"]
-        rows.append([T, name, fmt(fwd), fmt(pre), f"{med(pre) / med(fwd):.2f}", fmt(decode_times[name]),
-                     f"{med(tok_s[name]):.0f}", f"{med(tok_s[name]) / med(tok_s['full']):.2f}",
-                     f"{nbytes / 2**20:.1f}", f"{nbytes / caches['full'].nbytes:.3f}"])
+        rows.append(
+            [
+                T,
+                name,
+                fmt(fwd),
+                fmt(pre),
+                f"{med(pre) / med(fwd):.2f}",
+                fmt(decode_times[name]),
+                f"{med(tok_s[name]):.0f}",
+                f"{med(tok_s[name]) / med(tok_s['full']):.2f}",
+                f"{nbytes / 2**20:.1f}",
+                f"{nbytes / caches['full'].nbytes:.3f}",
+            ]
+        )
     ratio = med(tok_s["AAH"]) / med(tok_s["full"])
     formula = sum(min(int(w), T) for w in table.flatten()) / (table.numel() * T)
     aah_share = caches["AAH"].nbytes / caches["full"].nbytes
-    check(f"AAH cache / full cache == sum min(W, T) / (H T) exactly, T={T}", abs(aah_share - formula), 0.0,
-          f"{aah_share:.4f} vs {formula:.4f}")
+    check(
+        f"AAH cache / full cache == sum min(W, T) / (H T) exactly, T={T}",
+        abs(aah_share - formula),
+        0.0,
+        f"{aah_share:.4f} vs {formula:.4f}",
+    )
     if T == max(args.contexts):
         check(f"AAH decode tokens/s >= 1.5 x full, T={T}", ratio, 1.5, f"{ratio:.2f} x", higher_is_better=True)
     for name in models:
         r = med(prefill_times[f"prefill {name}"]) / med(prefill_times[f"forward {name}"])
         check(f"prefill no slower than the forward ({name}, T={T}; 1.05 allows for noise)", r, 1.05, f"{r:.2f} x")
-    title = (f"decode at context T={T}: {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, batch {B}, fp32; "
-             f"AAH table ACR {metrics.acr(table, T).item():.3f}")
-    header = ["T", "windows", "forward ms", "prefill ms", "prefill / forward", "decode step ms", "decode tokens/s",
-              "vs full", "KV cache MiB", "cache / full's"]
+    title = (
+        f"decode at context T={T}: {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, batch {B}, fp32; "
+        f"AAH table ACR {metrics.acr(table, T).item():.3f}"
+    )
+    header = [
+        "T",
+        "windows",
+        "forward ms",
+        "prefill ms",
+        "prefill / forward",
+        "decode step ms",
+        "decode tokens/s",
+        "vs full",
+        "KV cache MiB",
+        "cache / full's",
+    ]
     return md_table(title, header, rows)
 
 
@@ -111,8 +143,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20, help="decode steps timed per variant")
     p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                   help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier",
+    )
     args = p.parse_args(argv)
     bench.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:

@@ -25,8 +25,10 @@ def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
     if not os.path.exists(path):
         sys.exit(f"{path} does not exist: pass the --out folder of a finished tools/suite.py run")
     with open(path) as f:
-        return {(r["row"], int(r["seed"])): {k: float(v) for k, v in r.items() if k not in ("row", "seed")}
-                for r in csv.DictReader(f)}
+        return {
+            (r["row"], int(r["seed"])): {k: float(v) for k, v in r.items() if k not in ("row", "seed")}
+            for r in csv.DictReader(f)
+        }
 
 
 def paired(results: dict, row: str, seeds: list[int]) -> list[float]:
@@ -53,20 +55,29 @@ def compare(a: dict, b: dict, names: tuple[str, str]) -> str:
     left_out = []
     for r in rows:
         # only seeds both suites ran, for this row and for the baseline it is paired with
-        seeds = sorted(s for s in {s for rr, s in a if rr == r}
-                       if (r, s) in b and (BASELINE, s) in a and (BASELINE, s) in b)
+        seeds = sorted(
+            s for s in {s for rr, s in a if rr == r} if (r, s) in b and (BASELINE, s) in a and (BASELINE, s) in b
+        )
         missing = sorted({s for rr, s in (*a, *b) if rr == r} - set(seeds))
         if missing:
             left_out.append(f"{r}: seed(s) {', '.join(map(str, missing))}")
         if not seeds:
             continue
         da, db = paired(a, r, seeds), paired(b, r, seeds)
-        delta_cells = ["–", "–", "–", "–"] if r == BASELINE else [
-            pm(da), pm(db), pm([y - x for x, y in zip(da, db)]), " / ".join(f"{d:+.3f}" for d in db)]
+        delta_cells = (
+            ["–", "–", "–", "–"]
+            if r == BASELINE
+            else [pm(da), pm(db), pm([y - x for x, y in zip(da, db)]), " / ".join(f"{d:+.3f}" for d in db)]
+        )
         lines.append(
-            f"| {r} | {len(seeds)} | " + " | ".join(delta_cells) + " | "
-            + " | ".join(pm([results[(r, s)][column] for s in seeds], signed=False)
-                         for column in ("val_loss", "val_loss_last_gain") for results in (a, b))
+            f"| {r} | {len(seeds)} | "
+            + " | ".join(delta_cells)
+            + " | "
+            + " | ".join(
+                pm([results[(r, s)][column] for s in seeds], signed=False)
+                for column in ("val_loss", "val_loss_last_gain")
+                for results in (a, b)
+            )
             + " |"
         )
     only = sorted({r for r, _ in a} ^ {r for r, _ in b})

@@ -29,5 +29,8 @@ class FirstStepTime(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.done and trainer.is_global_zero:
             self.done = True
-            print(f"first_step: the first training batch began {process_age():.1f} s after the process started "
-                  f"({time.strftime('%H:%M:%S')})", file=sys.stderr)
+            print(
+                f"first_step: the first training batch began {process_age():.1f} s after the process started "
+                f"({time.strftime('%H:%M:%S')})",
+                file=sys.stderr,
+            )

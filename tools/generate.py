@@ -33,8 +33,10 @@ def load(path: str, tokenizer: str | None, device: str, weights_only: bool):
     tok = load_tokenizer(spec)
     hp = ckpt["hyper_parameters"]
     if tok.vocab_size > hp["vocab_size"]:
-        raise ConfigError(f"--tokenizer {spec!r} has {tok.vocab_size} ids, the checkpoint's model {hp['vocab_size']}: "
-                          f"use the tokenizer the model was trained with")
+        raise ConfigError(
+            f"--tokenizer {spec!r} has {tok.vocab_size} ids, the checkpoint's model {hp['vocab_size']}: "
+            f"use the tokenizer the model was trained with"
+        )
     return AAHModule.from_checkpoint(ckpt).model.to(device).eval(), tok
 
 
@@ -50,12 +52,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going past the end-of-document token")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's data.tokenizer")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--weights-only", default="true", choices=["true", "false"],
-                   help="false: also unpickle objects other than tensors (only for files you trust)")
+    p.add_argument(
+        "--weights-only",
+        default="true",
+        choices=["true", "false"],
+        help="false: also unpickle objects other than tensors (only for files you trust)",
+    )
     args = p.parse_args(argv)
     try:
-        cfg = gen.GenerationConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                                   not args.no_stop_at_eod)
+        cfg = gen.GenerationConfig(
+            args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_stop_at_eod
+        )
         cfg.validate(name=lambda field: "--" + field.replace("_", "-"))
         model, tok = load(args.ckpt, args.tokenizer, args.device, args.weights_only == "true")
     except ConfigError as e:
@@ -63,8 +70,10 @@ def main(argv=None) -> int:
         return 2
     ids, dropped = encode_prompt(args.prompt, tok, model.cfg.seq_len)
     if dropped:
-        print(f"generate: warning: the prompt's first {dropped} tokens are dropped (the model takes "
-              f"{model.cfg.seq_len})", file=sys.stderr)
+        print(
+            f"generate: warning: the prompt's first {dropped} tokens are dropped (the model takes {model.cfg.seq_len})",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     out = gen.generate(model, [ids], cfg, tok.eos_id)[0]
     seconds = time.perf_counter() - start
@@ -73,8 +82,11 @@ def main(argv=None) -> int:
     c = model.cfg
     cache = gen.cache_bytes(model.windows.tolist(), total, c.head_dim, dtype=next(model.parameters()).dtype)
     full = gen.full_cache_bytes(c.n_layer, c.n_head, total, c.head_dim, dtype=next(model.parameters()).dtype)
-    print(f"[{len(ids) - 1} prompt tokens, {len(out.tokens)} new ({out.stop}), {len(out.tokens) / seconds:.0f} "
-          f"tokens/s; KV cache {cache / 2**10:.0f} KiB = {cache / full:.3f} of a full cache]", file=sys.stderr)
+    print(
+        f"[{len(ids) - 1} prompt tokens, {len(out.tokens)} new ({out.stop}), {len(out.tokens) / seconds:.0f} "
+        f"tokens/s; KV cache {cache / 2**10:.0f} KiB = {cache / full:.3f} of a full cache]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -113,8 +113,12 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
         errs = run(plan)
         for key in errs:
             limit = max(2 * sdpa[key], floor)
-            record(f"attention parity {name} {key} ({plan_name})", f"{errs[key]:.2e} (sdpa {sdpa[key]:.2e})",
-                   f"{limit:.1e}", errs[key] <= limit)
+            record(
+                f"attention parity {name} {key} ({plan_name})",
+                f"{errs[key]:.2e} (sdpa {sdpa[key]:.2e})",
+                f"{limit:.1e}",
+                errs[key] <= limit,
+            )
 
 
 def gpt_parity(device, shape, train: bool, backend: str = "flex") -> None:
@@ -211,17 +215,30 @@ def compiled_training(args, activation_checkpointing: bool, warmup: int, steps: 
     data = TextDataModule(source="synthetic", seq_len=T, batch_size=B, synthetic_documents=4 * B, seed=0)
     cands = [T // 8, T // 4, T // 2, T - 1]  # all below T: every layer stays on the masked (flex) path
     model = AAHModule(
-        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, seq_len=T, vocab_size=data.vocab_size,
-        backend="flex" if cuda else "sdpa", compile_blocks=True, activation_checkpointing=activation_checkpointing,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        seq_len=T,
+        vocab_size=data.vocab_size,
+        backend="flex" if cuda else "sdpa",
+        compile_blocks=True,
+        activation_checkpointing=activation_checkpointing,
         aah=AAHConfig(policy="random", candidates=cands, redraw_interval=1, seed=0),
         optim=OptimConfig(lr=1e-3, warmup_steps=2),
     )
     probe = Probe()
     trainer = L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
-        max_steps=warmup + steps, limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[probe],
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=warmup + steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -275,19 +292,28 @@ def training_checks(args) -> None:
             f"{r['step'] * 1e3:.1f} ms/step, {r['tokens'] / r['step']:,.0f} tokens/s, first step {r['first']:.0f} s "
             f"({r['warmup_graphs']} graphs in the process so far)"
             + (f", peak {r['peak_gib']:.2f} GiB" if args.device == "cuda" else ""),
-            "-", True,
+            "-",
+            True,
         )
     if True in peaks and False in peaks:
-        record("activation checkpointing saves memory", f"{peaks[True]:.2f} vs {peaks[False]:.2f} GiB", "less",
-               peaks[True] < peaks[False])
+        record(
+            "activation checkpointing saves memory",
+            f"{peaks[True]:.2f} vs {peaks[False]:.2f} GiB",
+            "less",
+            peaks[True] < peaks[False],
+        )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="smaller shapes, skip the activation-checkpointing run")
-    p.add_argument("--budget", type=int, default=270,
-                   help="seconds; the activation-checkpointing run is skipped if it would not finish within them")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=270,
+        help="seconds; the activation-checkpointing run is skipped if it would not finish within them",
+    )
     p.add_argument("--seq-len", dest="seq_len", type=int, default=None)
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
     p.add_argument("--n-layer", dest="n_layer", type=int, default=4)
@@ -333,8 +359,10 @@ def main() -> int:
     for check, measured, limit, passed in ROWS:
         print(f"{check:<{width}}  {measured[:mwidth]:<{mwidth}}  {limit:<14}  {'ok' if passed else 'FAIL'}")
     failed = sum(not r[3] for r in ROWS)
-    print(f"\n{len(ROWS) - failed}/{len(ROWS)} checks passed in {time.perf_counter() - STARTED:.0f} s "
-          f"(torch {torch.__version__}, {name})")
+    print(
+        f"\n{len(ROWS) - failed}/{len(ROWS)} checks passed in {time.perf_counter() - STARTED:.0f} s "
+        f"(torch {torch.__version__}, {name})"
+    )
     return 1 if failed else 0
 
 

@@ -41,11 +41,11 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, if not installed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (bench's helpers)
 
+import bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-import bench  # noqa: E402
 from aah_lightning.aah import metrics  # noqa: E402
 from aah_lightning.model import masks  # noqa: E402
 from aah_lightning.model.attention import backend_names, get_backend  # noqa: E402
@@ -65,8 +65,10 @@ CANDIDATES = {
     "rows safe": (SAFE, 128),
     "rows safe, fwd 128x64 tiles": ({**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64}, 128),
     "rows safe, fwd 8 warps": ({**SAFE, "fwd_num_warps": 8}, 128),
-    "rows safe, bwd 64x64 tiles": ({**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                                    "bwd_BLOCK_N2": 64}, 128),
+    "rows safe, bwd 64x64 tiles": (
+        {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
+        128,
+    ),
     "rows safe, 64-token BlockMask": (SAFE, 64),
 }
 # Targets per position in the sequence lengths (T = 4096, 16384); None: no target at that length.
@@ -79,8 +81,16 @@ class Run:
     def __init__(self, budget: float):
         self.start = time.perf_counter()
         self.budget = budget
-        self.results: dict = {"attention": [], "parity": [], "recompiles": [], "copies": [], "end_to_end": [],
-                              "tuning": [], "skipped": [], "errors": []}
+        self.results: dict = {
+            "attention": [],
+            "parity": [],
+            "recompiles": [],
+            "copies": [],
+            "end_to_end": [],
+            "tuning": [],
+            "skipped": [],
+            "errors": [],
+        }
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.start)
@@ -171,8 +181,11 @@ def parity(run: Run, name: str, plan, qkv, dout, want, sdpa_err, floor: float) -
     limits = {key: max(2 * sdpa_err[key], floor) for key in want}
     ok = all(errs[key] <= limits[key] for key in errs)
     run.results["parity"].append({"plan": name, "errors": errs, "limits": limits, "sdpa": sdpa_err, "passed": ok})
-    print(f"  {'ok  ' if ok else 'FAIL'} parity {name}: " + ", ".join(f"{k} {e:.1e}/{limits[k]:.1e}"
-                                                                  for k, e in errs.items()), flush=True)
+    print(
+        f"  {'ok  ' if ok else 'FAIL'} parity {name}: "
+        + ", ".join(f"{k} {e:.1e}/{limits[k]:.1e}" for k, e in errs.items()),
+        flush=True,
+    )
 
 
 # -- attention ---------------------------------------------------------------------------------------------------
@@ -218,8 +231,18 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
     for key, ts in times.items():
         name, kind = key.split("|")
         ms = statistics.median(ts)
-        entry = {"T": T, "B": B, "plan": name, "kind": kind, "ms": ms, "min": min(ts), "max": max(ts),
-                 "coverage": cov, "block_density": dens, "first_call_s": compile_s.get(name)}
+        entry = {
+            "T": T,
+            "B": B,
+            "plan": name,
+            "kind": kind,
+            "ms": ms,
+            "min": min(ts),
+            "max": max(ts),
+            "coverage": cov,
+            "block_density": dens,
+            "first_call_s": compile_s.get(name),
+        }
         if kind in base:
             entry["ratio"] = ms / base[kind]
         (run.results["copies"] if kind == "copies" else run.results["attention"]).append(entry)
@@ -227,8 +250,16 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
         if f"{name}|fwd" in times:
             bwd = statistics.median(times[f"{name}|fwd+bwd"]) - statistics.median(times[f"{name}|fwd"])
             base_bwd = base["fwd+bwd"] - base["fwd"]
-            run.results["attention"].append({"T": T, "B": B, "plan": name, "kind": "bwd", "ms": bwd,
-                                             "ratio": bwd / base_bwd if base_bwd > 0 else float("nan")})
+            run.results["attention"].append(
+                {
+                    "T": T,
+                    "B": B,
+                    "plan": name,
+                    "kind": "bwd",
+                    "ms": bwd,
+                    "ratio": bwd / base_bwd if base_bwd > 0 else float("nan"),
+                }
+            )
     if device.type == "cuda" or args.smoke:
         recompiles(run, plans, row, T, qkv, dout, device)
 
@@ -252,7 +283,7 @@ def recompiles(run: Run, plans: dict, row: torch.Tensor, T: int, qkv, dout, devi
     same = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(1))]
     same = torch.where(same < T, torch.clamp(same - 7, min=1), same)  # new values, same windowed / full split
     fewer = torch.where(torch.arange(row.numel()) % 2 == 0, torch.full_like(row, T), row)
-    for name, plan in plans.items():
+    for name, _plan in plans.items():
         if name == "sdpa causal":
             continue
         counts = {}
@@ -288,10 +319,12 @@ def tuning(run: Run, args, device, dtype) -> None:
             parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, floor)
             fns[name] = pair
         except Exception as err:
-            run.results["tuning"].append({"candidate": name, "options": options, "block": block,
-                                          "error": run.error(f"tuning {name}", err)})
-    timed = bench.timeit({f"{n}|{kind}": f for n, pair in fns.items() for kind, f in zip(("fwd", "fwd+bwd"), pair)},
-                         device, args.repeats)
+            run.results["tuning"].append(
+                {"candidate": name, "options": options, "block": block, "error": run.error(f"tuning {name}", err)}
+            )
+    timed = bench.timeit(
+        {f"{n}|{kind}": f for n, pair in fns.items() for kind, f in zip(("fwd", "fwd+bwd"), pair)}, device, args.repeats
+    )
     base = {kind: statistics.median(timed[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
     for name in fns:
         if name == "sdpa causal":
@@ -331,8 +364,9 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
             step()  # compiles
             steps[label] = step
         except Exception as err:
-            run.results["end_to_end"].append({"T": T, "B": B, "variant": label,
-                                              "error": run.error(f"end to end {label} T={T}", err)})
+            run.results["end_to_end"].append(
+                {"T": T, "B": B, "variant": label, "error": run.error(f"end to end {label} T={T}", err)}
+            )
         bench.sync(device)
     times = bench.timeit(steps, device, args.train_repeats, warmup=1)
     if "full causal" not in times:
@@ -341,10 +375,19 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
     for label, ts in times.items():
         tok_s = B * T / (statistics.median(ts) / 1e3)
         kinds = sorted({p.kind for p in models[label].attention_plans(T)})
-        run.results["end_to_end"].append({
-            "T": T, "B": B, "variant": label, "plans": kinds, "step_ms": statistics.median(ts),
-            "tokens_per_s": tok_s, "vs_full_causal": tok_s / base,
-            "acr": metrics.acr(models[label].windows, T).item(), "params": models[label].num_params()})
+        run.results["end_to_end"].append(
+            {
+                "T": T,
+                "B": B,
+                "variant": label,
+                "plans": kinds,
+                "step_ms": statistics.median(ts),
+                "tokens_per_s": tok_s,
+                "vs_full_causal": tok_s / base,
+                "acr": metrics.acr(models[label].windows, T).item(),
+                "params": models[label].num_params(),
+            }
+        )
     del models, steps
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -357,26 +400,56 @@ def verdicts(results: dict, seq_lens: list[int]) -> list[dict]:
         for T, limit in zip(seq_lens, TARGETS[kind]):
             if limit is None:
                 continue
-            cands = [r for r in results["attention"] if r.get("kind") == kind and r["T"] == T and "ratio" in r
-                     and r["plan"] != "sdpa causal"]
+            cands = [
+                r
+                for r in results["attention"]
+                if r.get("kind") == kind and r["T"] == T and "ratio" in r and r["plan"] != "sdpa causal"
+            ]
             if cands:
                 best = min(cands, key=lambda r: r["ratio"])
-                rows.append({"target": f"attention {kind} / SDPA causal <= {limit}, T={T}", "best": best["plan"],
-                             "measured": best["ratio"], "met": best["ratio"] <= limit})
+                rows.append(
+                    {
+                        "target": f"attention {kind} / SDPA causal <= {limit}, T={T}",
+                        "best": best["plan"],
+                        "measured": best["ratio"],
+                        "met": best["ratio"] <= limit,
+                    }
+                )
     for T, limit in zip(seq_lens, TARGETS["e2e"]):
-        cands = [r for r in results["end_to_end"] if r["T"] == T and r.get("variant", "").startswith("AAH")
-                 and "vs_full_causal" in r]
+        cands = [
+            r
+            for r in results["end_to_end"]
+            if r["T"] == T and r.get("variant", "").startswith("AAH") and "vs_full_causal" in r
+        ]
         if cands:
             best = max(cands, key=lambda r: r["vs_full_causal"])
-            rows.append({"target": f"end to end tokens/s >= {limit} x full causal, T={T}", "best": best["variant"],
-                         "measured": best["vs_full_causal"], "met": best["vs_full_causal"] >= limit})
+            rows.append(
+                {
+                    "target": f"end to end tokens/s >= {limit} x full causal, T={T}",
+                    "best": best["variant"],
+                    "measured": best["vs_full_causal"],
+                    "met": best["vs_full_causal"] >= limit,
+                }
+            )
     for r in results["recompiles"]:
         if "same groups" in r:
-            rows.append({"target": f"zero recompiles on new windows, {r['plan']}, T={r['T']}", "best": r["plan"],
-                         "measured": r["same groups"], "met": r["same groups"] == 0})
+            rows.append(
+                {
+                    "target": f"zero recompiles on new windows, {r['plan']}, T={r['T']}",
+                    "best": r["plan"],
+                    "measured": r["same groups"],
+                    "met": r["same groups"] == 0,
+                }
+            )
     for r in results["parity"]:
-        rows.append({"target": f"parity vs float64, {r['plan']}", "best": r["plan"],
-                     "measured": max(r["errors"][k] / r["limits"][k] for k in r["errors"]), "met": r["passed"]})
+        rows.append(
+            {
+                "target": f"parity vs float64, {r['plan']}",
+                "best": r["plan"],
+                "measured": max(r["errors"][k] / r["limits"][k] for k in r["errors"]),
+                "met": r["passed"],
+            }
+        )
     return rows
 
 
@@ -395,8 +468,11 @@ def report(results: dict) -> str:
         out += "\n### flex kernel_options candidates\n\n| candidate | fwd / SDPA causal | fwd+bwd / SDPA causal |\n"
         out += "|---|---|---|\n"
         for r in results["tuning"]:
-            cells = ([f"{r[k]['ratio']:.3f} ({r[k]['ms']:.2f} ms)" for k in ("fwd", "fwd+bwd")] if "fwd" in r
-                     else ["error: " + r["error"], "-"])
+            cells = (
+                [f"{r[k]['ratio']:.3f} ({r[k]['ms']:.2f} ms)" for k in ("fwd", "fwd+bwd")]
+                if "fwd" in r
+                else ["error: " + r["error"], "-"]
+            )
             out += f"| {r['candidate']} | " + " | ".join(cells) + " |\n"
     if results["end_to_end"]:
         out += "\n### end to end (fwd+bwd+AdamW)\n\n| T | B | variant | plans | step ms | tokens/s | vs full causal |\n"
@@ -405,14 +481,18 @@ def report(results: dict) -> str:
             if "error" in r:
                 out += f"| {r['T']} | {r['B']} | {r['variant']} | error: {r['error']} | - | - | - |\n"
             else:
-                out += (f"| {r['T']} | {r['B']} | {r['variant']} | {'/'.join(r['plans'])} | {r['step_ms']:.1f} | "
-                        f"{r['tokens_per_s']:.0f} | {r['vs_full_causal']:.2f} |\n")
+                out += (
+                    f"| {r['T']} | {r['B']} | {r['variant']} | {'/'.join(r['plans'])} | {r['step_ms']:.1f} | "
+                    f"{r['tokens_per_s']:.0f} | {r['vs_full_causal']:.2f} |\n"
+                )
     if results["recompiles"]:
         out += "\n### new graphs after warm-up\n\n| T | plan | same groups | windowed head count changed |\n"
         out += "|---|---|---|---|\n"
         for r in results["recompiles"]:
-            out += (f"| {r['T']} | {r['plan']} | {r.get('same groups', r.get('error', '-'))} | "
-                    f"{r.get('windowed head count changed', '-')} |\n")
+            out += (
+                f"| {r['T']} | {r['plan']} | {r.get('same groups', r.get('error', '-'))} | "
+                f"{r.get('windowed head count changed', '-')} |\n"
+            )
     out += "\n### targets\n\n| target | best | measured | verdict |\n|---|---|---|---|\n"
     for v in results["targets"]:
         out += f"| {v['target']} | {v['best']} | {v['measured']:.3g} | {'met' if v['met'] else 'MISSED'} |\n"
@@ -444,8 +524,11 @@ def main(argv=None) -> int:
     stages = set(args.stages.split(","))
     run = Run(args.budget)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    print(f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
-          f"machine: {bench.machine(device)}\n", flush=True)
+    print(
+        f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
+        f"machine: {bench.machine(device)}\n",
+        flush=True,
+    )
     for index, (T, B) in enumerate(shapes(args)):  # the first T's numbers first, then the longer T's
         if "attention" in stages:
             attention(run, args, device, dtype, T, B, first=index == 0)
@@ -454,9 +537,14 @@ def main(argv=None) -> int:
     if "tuning" in stages and device.type == "cuda":
         tuning(run, args, device, dtype)
     run.results["targets"] = verdicts(run.results, args.seq_lens)
-    run.results.update(command=command, machine=bench.machine(device), torch=torch.__version__,
-                       date=datetime.datetime.now().isoformat(timespec="minutes"), smoke=args.smoke,
-                       seconds=time.perf_counter() - run.start)
+    run.results.update(
+        command=command,
+        machine=bench.machine(device),
+        torch=torch.__version__,
+        date=datetime.datetime.now().isoformat(timespec="minutes"),
+        smoke=args.smoke,
+        seconds=time.perf_counter() - run.start,
+    )
     print(report(run.results), flush=True)
     out = args.out or (os.path.join(os.environ["OUT"], "gpu_tune.json") if os.environ.get("OUT") else None)
     if out:

@@ -85,7 +85,9 @@ def report(info: dict, seq_len: int, block_size: int) -> str:
     ]
     for layer, row in enumerate(table.tolist()):
         cells = " ".join(f"{w:>{width}}" for w in row)
-        lines.append(f"  layer {layer:>2}: {cells}   ACR {acr[layer]:.4f}  cov {cov[layer]:.4f}  dens {dens[layer]:.4f}")
+        lines.append(
+            f"  layer {layer:>2}: {cells}   ACR {acr[layer]:.4f}  cov {cov[layer]:.4f}  dens {dens[layer]:.4f}"
+        )
     lines += [
         "",
         f"model: ACR {float(metrics.acr(table, seq_len)):.4f}, causal coverage "
@@ -131,7 +133,9 @@ def main(argv=None) -> int:
         if args.mask is not None:
             layer, head = args.mask
             if not (0 <= layer < table.shape[0] and 0 <= head < table.shape[1]):
-                raise InspectError(f"--mask {layer} {head}: the table has {table.shape[0]} layers x {table.shape[1]} heads")
+                raise InspectError(
+                    f"--mask {layer} {head}: the table has {table.shape[0]} layers x {table.shape[1]} heads"
+                )
     except InspectError as e:
         print(f"inspect_windows: error: {e}", file=sys.stderr)
         return 2

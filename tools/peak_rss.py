@@ -51,8 +51,11 @@ def main() -> None:
         peak, peak_anon = max(peak, total), max(peak_anon, anon)
         time.sleep(0.1)
     wall = time.perf_counter() - start
-    print(f"peak_rss: exit {proc.returncode}, wall {wall:.1f} s, peak resident memory of the process tree "
-          f"{peak / 2**20:.0f} MiB (anonymous {peak_anon / 2**20:.0f} MiB)", file=sys.stderr)
+    print(
+        f"peak_rss: exit {proc.returncode}, wall {wall:.1f} s, peak resident memory of the process tree "
+        f"{peak / 2**20:.0f} MiB (anonymous {peak_anon / 2**20:.0f} MiB)",
+        file=sys.stderr,
+    )
     sys.exit(proc.returncode)
 
 

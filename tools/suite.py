@@ -79,9 +79,14 @@ def checkpoint_dir(rd: str) -> str:
 def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[str]) -> list[str]:
     row, rd = row_name(row_path), run_dir(out, row_name(row_path), seed)
     return [
-        sys.executable, "-m", "aah_lightning", "fit",
-        "--config", os.path.join(rows_dir, "base.yaml"),
-        "--config", row_path,
+        sys.executable,
+        "-m",
+        "aah_lightning",
+        "fit",
+        "--config",
+        os.path.join(rows_dir, "base.yaml"),
+        "--config",
+        row_path,
         f"--seed_everything={seed}",
         f"--model.aah.seed={seed}",
         f"--trainer.logger.init_args.save_dir={os.path.join(out, row)}",
@@ -97,9 +102,14 @@ def validate_command(rows_dir: str, row_path: str, seed: int, out: str, extra: l
     """``aah validate`` of the run's last checkpoint at ``seq_len`` tokens, logged to ``<run>/eval/seq<seq_len>``."""
     rd = run_dir(out, row_name(row_path), seed)
     return [
-        sys.executable, "-m", "aah_lightning", "validate",
-        "--config", os.path.join(rows_dir, "base.yaml"),
-        "--config", row_path,
+        sys.executable,
+        "-m",
+        "aah_lightning",
+        "validate",
+        "--config",
+        os.path.join(rows_dir, "base.yaml"),
+        "--config",
+        row_path,
         f"--seed_everything={seed}",
         f"--model.aah.seed={seed}",
         f"--trainer.logger.init_args.save_dir={os.path.join(rd, 'eval')}",
@@ -149,8 +159,11 @@ def last_step(series: dict[str, list[tuple[int, float]]]) -> int:
 
 def position_losses(series: dict[str, list[tuple[int, float]]], prefix: str = "") -> dict[str, float]:
     """The last validation's loss per position bucket: ``{"<prefix>pos <first>-<last>": loss}``."""
-    return {f"{prefix}pos {tag[len(POSITION_TAG):]}": values[-1][1]
-            for tag, values in series.items() if tag.startswith(POSITION_TAG) and values}
+    return {
+        f"{prefix}pos {tag[len(POSITION_TAG) :]}": values[-1][1]
+        for tag, values in series.items()
+        if tag.startswith(POSITION_TAG) and values
+    }
 
 
 def fmt(mean: float, std: float, digits: int = 4) -> str:
@@ -229,8 +242,9 @@ def plot(out: str, by_row: dict[str, list[dict]], base: dict[int, float]) -> Non
         diffs = paired_diffs(recs, base)
         if r != BASELINE and diffs:
             d = mean_std(diffs)
-            dax.errorbar(acr[0], d[0], xerr=acr[1], yerr=0 if math.isnan(d[1]) else d[1], fmt="o", capsize=3,
-                         color=colour)
+            dax.errorbar(
+                acr[0], d[0], xerr=acr[1], yerr=0 if math.isnan(d[1]) else d[1], fmt="o", capsize=3, color=colour
+            )
             dax.annotate(r, (acr[0], d[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel("ACR (mean over layers and heads of min(W, T) / T)")
     ax.set_ylabel("final validation loss (nats/token), mean ± std over seeds")
@@ -262,8 +276,9 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     for i, (r, recs) in enumerate(by_row.items()):
         steps, means = mean_curve([curves[(r, x["seed"])] for x in recs])
         if steps:
-            ax.plot(steps, means, marker="o", markersize=3, label=r,
-                    linestyle=["-", "--", ":"][i // 10 % 3])  # the colour cycle repeats after 10 rows
+            ax.plot(
+                steps, means, marker="o", markersize=3, label=r, linestyle=["-", "--", ":"][i // 10 % 3]
+            )  # the colour cycle repeats after 10 rows
     ax.set_xlabel("training step")
     ax.set_ylabel("validation loss (nats/token), mean over seeds")
     ax.grid(alpha=0.3)
@@ -293,14 +308,15 @@ def position_tables(records: list[dict], rows: list[str]) -> str:
         where = "the training length" if not prefix else f"{prefix[3:].strip()} tokens"
         parts += [
             f"Validation loss by position at {where} (nats/token, mean ± std over seeds; columns: positions)\n",
-            "| row | " + " | ".join(c[len(prefix) + 4:] for c in cols) + " |",
+            "| row | " + " | ".join(c[len(prefix) + 4 :] for c in cols) + " |",
             "|---|" + "---|" * len(cols),
         ]
         for r in rows:
             recs = [x for x in records if x["row"] == r]
             if recs:
-                parts.append(f"| {r} | " + " | ".join(fmt(*mean_std([x.get(c, math.nan) for x in recs])) for c in cols)
-                             + " |")
+                parts.append(
+                    f"| {r} | " + " | ".join(fmt(*mean_std([x.get(c, math.nan) for x in recs])) for c in cols) + " |"
+                )
         parts.append("")
     return "\n".join(parts)
 
@@ -320,8 +336,10 @@ def frontier_rows(by_row: dict[str, list[dict]]) -> list[tuple[float, str, str]]
 def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], lengths: list[int]) -> str:
     """Markdown: per target ACR, the families side by side, best paired difference to the baseline first, with what
     each run paid (its ACR averaged over steps) against the target."""
-    head = ("| target ACR | family | seeds | ACR paid, mean over the run | paid − target, worst seed | val loss | "
-            "Δ val loss vs baseline | Δ per seed |")
+    head = (
+        "| target ACR | family | seeds | ACR paid, mean over the run | paid − target, worst seed | val loss | "
+        "Δ val loss vs baseline | Δ per seed |"
+    )
     rule = "|---|---|---|---|---|---|---|---|"
     bases = {n: {x["seed"]: x.get(f"seq{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])} for n in lengths}
     for n in lengths:
@@ -336,7 +354,11 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
         d = mean_std(diffs)
         worst = max((x["acr_mean"] - target for x in recs), key=abs)
         cells = [
-            f"{target:g}", family, str(len(recs)), fmt(*mean_std([x["acr_mean"] for x in recs]), 3), f"{worst:+.3f}",
+            f"{target:g}",
+            family,
+            str(len(recs)),
+            fmt(*mean_std([x["acr_mean"] for x in recs]), 3),
+            f"{worst:+.3f}",
             fmt(*mean_std([x["val_loss"] for x in recs])),
             "–" if math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}",
             " / ".join(f"{v:+.3f}" for v in diffs) or "–",
@@ -344,8 +366,10 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
         for n in lengths:
             key = f"seq{n} val_loss"
             dn = mean_std([x.get(key, math.nan) - bases[n].get(x["seed"], math.nan) for x in recs])
-            cells += [fmt(*mean_std([x.get(key, math.nan) for x in recs])),
-                      "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}"]
+            cells += [
+                fmt(*mean_std([x.get(key, math.nan) for x in recs])),
+                "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}",
+            ]
         entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
@@ -355,11 +379,13 @@ def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float
     the loss itself, the paired difference to the baseline, and that difference at each --eval-seq-lens length."""
     plt = pyplot()
     panels = [("val_loss", None), ("val_loss", base)]
-    panels += [(f"seq{n} val_loss", {x["seed"]: x.get(f"seq{n} val_loss", math.nan)
-                                     for x in by_row.get(BASELINE, [])}) for n in lengths]
+    panels += [
+        (f"seq{n} val_loss", {x["seed"]: x.get(f"seq{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])})
+        for n in lengths
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
     families: dict[str, list[str]] = {}
-    for target, family, r in sorted(frontier_rows(by_row)):
+    for _target, family, r in sorted(frontier_rows(by_row)):
         families.setdefault(family, []).append(r)
     for ax, (key, reference) in zip(axes[0], panels):
         for i, (family, rows) in enumerate(families.items()):
@@ -415,8 +441,13 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
-    p.add_argument("--eval-seq-lens", type=int, nargs="*", default=[],
-                   help="also validate each run's last checkpoint at these sequence lengths (e.g. 2T and 4T)")
+    p.add_argument(
+        "--eval-seq-lens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also validate each run's last checkpoint at these sequence lengths (e.g. 2T and 4T)",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
@@ -480,8 +511,10 @@ def main(argv=None) -> None:
             long = read_scalars(ed)
             record[f"seq{n} val_loss"] = long["val/loss"][-1][1]
             record.update(position_losses(long, f"seq{n} "))
-        print(f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  "
-              f"{wall:.0f} s", flush=True)
+        print(
+            f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  {wall:.0f} s",
+            flush=True,
+        )
         return record
 
     # Runs are independent processes; --jobs N runs N at a time (give each --threads of the machine's cores).
@@ -493,8 +526,10 @@ def main(argv=None) -> None:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
     print(write_outputs(args.out, records, rows, curves))
-    print(f"suite wall time: {time.time() - started:.0f} s (this invocation); "
-          f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s")
+    print(
+        f"suite wall time: {time.time() - started:.0f} s (this invocation); "
+        f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s"
+    )
 
 
 if __name__ == "__main__":

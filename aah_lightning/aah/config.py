@@ -88,7 +88,9 @@ class ControllerConfig:
             self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
         )
         require(
-            self.grouping in ("cluster", "none", "fixed_random"), key + "grouping", self.grouping,
+            self.grouping in ("cluster", "none", "fixed_random"),
+            key + "grouping",
+            self.grouping,
             "cluster, none or fixed_random",
         )
         require(self.metric in ("euclidean", "cosine"), key + "metric", self.metric, "euclidean or cosine")
@@ -102,25 +104,33 @@ class ControllerConfig:
         require(self.threshold > 0, key + "threshold", self.threshold, "> 0")
         require(self.threshold_growth >= 1, key + "threshold_growth", self.threshold_growth, ">= 1")
         require(
-            isinstance(self.min_group_size, int) and 1 <= self.min_group_size <= n_head, key + "min_group_size",
-            self.min_group_size, f"an integer in [1, n_head={n_head}]",
+            isinstance(self.min_group_size, int) and 1 <= self.min_group_size <= n_head,
+            key + "min_group_size",
+            self.min_group_size,
+            f"an integer in [1, n_head={n_head}]",
         )
         require(
             self.max_groups is None or (isinstance(self.max_groups, int) and self.max_groups >= 1),
-            key + "max_groups", self.max_groups, "None or an integer >= 1",
+            key + "max_groups",
+            self.max_groups,
+            "None or an integer >= 1",
         )
         require(self.hysteresis >= 0, key + "hysteresis", self.hysteresis, ">= 0")
         require(
-            isinstance(self.random_groups, int) and 1 <= self.random_groups <= n_head, key + "random_groups",
-            self.random_groups, f"an integer in [1, n_head={n_head}]",
+            isinstance(self.random_groups, int) and 1 <= self.random_groups <= n_head,
+            key + "random_groups",
+            self.random_groups,
+            f"an integer in [1, n_head={n_head}]",
         )
         require(isinstance(self.depth, int) and self.depth >= 1, key + "depth", self.depth, "an integer >= 1")
         require(0 < self.coverage_target <= 1, key + "coverage_target", self.coverage_target, "in (0, 1]")
         require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
         require(self.control_interval >= 1, key + "control_interval", self.control_interval, ">= 1")
         require(
-            self.freeze_after is None or self.freeze_after >= self.warmup_steps, key + "freeze_after",
-            self.freeze_after, f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
+            self.freeze_after is None or self.freeze_after >= self.warmup_steps,
+            key + "freeze_after",
+            self.freeze_after,
+            f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
         )
         if self.target_acr is not None and self.target_causal_coverage is not None:
             raise ConfigError(
@@ -133,17 +143,23 @@ class ControllerConfig:
                 continue
             smallest = float(window_costs(candidates, seq_len, measure)[0])
             require(
-                smallest <= budget <= 1, key + name, budget,
+                smallest <= budget <= 1,
+                key + name,
+                budget,
                 f"in [{smallest:.4g}, 1]: the smallest candidate window {candidates[0]} already costs {smallest:.4g}",
             )
         require(self.budget_scope in ("layer", "model"), key + "budget_scope", self.budget_scope, "layer or model")
         for name, on in (("budget_scope", self.budget_scope == "model"), ("budget_over_run", self.budget_over_run)):
             require(
-                not on or self.budget() is not None, key + name, getattr(self, name),
+                not on or self.budget() is not None,
+                key + name,
+                getattr(self, name),
                 "only with a budget: set target_acr or target_causal_coverage",
             )
         require(
-            self.budget_scope == "layer" or self.allocator == "reach", key + "budget_scope", self.budget_scope,
+            self.budget_scope == "layer" or self.allocator == "reach",
+            key + "budget_scope",
+            self.budget_scope,
             f"model needs allocator: reach (allocator {self.allocator!r} does not take a budget)",
         )
 

@@ -41,11 +41,11 @@ def _short(w: int) -> str:
 def window_map_figure(table: Tensor, seq_len: int, candidates: Sequence[int] = (), title: str | None = None):
     """Layer x head grid coloured by window (one colour per window, larger = brighter), each cell labelled with its
     window, and a legend with each window's share of heads."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-    import matplotlib
 
     table = table.to(torch.int64).cpu()
     n_layer, n_head = table.shape
@@ -90,8 +90,15 @@ def window_map_figure(table: Tensor, seq_len: int, candidates: Sequence[int] = (
         )
         for i, w in enumerate(values)
     ]
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1 - (right - 0.1) / w_in, 0.5), fontsize=8,
-               frameon=False, title=f"window (T={seq_len})", title_fontsize=8)
+    fig.legend(
+        handles=handles,
+        loc="center left",
+        bbox_to_anchor=(1 - (right - 0.1) / w_in, 0.5),
+        fontsize=8,
+        frameon=False,
+        title=f"window (T={seq_len})",
+        title_fontsize=8,
+    )
     fig.suptitle(title or f"window map ({n_layer} layers x {n_head} heads)", fontsize=9, y=1 - 0.12 / h_in, va="top")
     return fig
 

@@ -19,8 +19,9 @@ outside this package is one importable module: ``model.aah.policy: my_module:nam
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,7 +38,7 @@ BUILTIN_MODULES = (
     "aah_lightning.aah.shuffle",  # shuffle: the controller's table permuted per layer
 )
 
-POLICIES: dict[str, type["WindowPolicy"]] = {}
+POLICIES: dict[str, type[WindowPolicy]] = {}
 
 P = TypeVar("P", bound=type)
 
@@ -75,13 +76,13 @@ def _load_builtins() -> None:
         importlib.import_module(module)
 
 
-def available_policies() -> dict[str, type["WindowPolicy"]]:
+def available_policies() -> dict[str, type[WindowPolicy]]:
     """Every registered policy by name (the built-in ones and any imported plugin)."""
     _load_builtins()
     return dict(POLICIES)
 
 
-def policy_class(name: str) -> type["WindowPolicy"]:
+def policy_class(name: str) -> type[WindowPolicy]:
     """The class ``model.aah.policy`` names: a registered name, or ``module:name`` of a policy in another module."""
     if name not in POLICIES:
         _load_builtins()

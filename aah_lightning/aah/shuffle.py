@@ -89,4 +89,3 @@ class ShufflePolicy(WindowPolicy):
         self.generator.set_state(state["generator"])
         self.table = None if state["table"] is None else state["table"].to(torch.int32).clone()
         self.shuffles = int(state["shuffles"])
-

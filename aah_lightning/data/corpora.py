@@ -69,9 +69,7 @@ def file_corpus(paths: list[str], text_field: str = "text", cache_dir: str | Non
     kinds = {_BUILDERS.get(os.path.splitext(p)[1].lower()) for p in files}
     if None in kinds or len(kinds) != 1:
         exts = sorted({os.path.splitext(p)[1] for p in files})
-        raise ConfigError(
-            f"data.paths have extensions {exts}: use one format per run, one of {sorted(_BUILDERS)}"
-        )
+        raise ConfigError(f"data.paths have extensions {exts}: use one format per run, one of {sorted(_BUILDERS)}")
     builder = kinds.pop()
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:

@@ -43,19 +43,28 @@ def document_order(n: int, seed: int, max_documents: int | None = None) -> list[
     return order[:max_documents] if max_documents else order
 
 
-def describe_source(source: str, paths=None, text_field="text", hub_name=None, hub_config=None, hub_split="train",
-                    repeat: int = 1) -> dict:
+def describe_source(
+    source: str, paths=None, text_field="text", hub_name=None, hub_config=None, hub_split="train", repeat: int = 1
+) -> dict:
     """What identifies the text: a changed file (size or time) or another Python gives another description."""
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         stats = [(p, os.stat(p)) for p in corpora.stdlib_files()]
         listing = [(os.path.relpath(p, root), st.st_size, st.st_mtime_ns) for p, st in stats]
-        desc = {"source": "stdlib", "python": platform.python_version(), "root": root,
-                "files": hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16], "documents": len(listing)}
+        desc = {
+            "source": "stdlib",
+            "python": platform.python_version(),
+            "root": root,
+            "files": hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16],
+            "documents": len(listing),
+        }
     elif source == "files":
         files = [os.path.abspath(p) for p in corpora.expand_paths(paths or [])]
-        desc = {"source": "files", "text_field": text_field,
-                "files": [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in files]}
+        desc = {
+            "source": "files",
+            "text_field": text_field,
+            "files": [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in files],
+        }
     elif source == "hub":
         desc = {"source": "hub", "name": hub_name, "config": hub_config, "split": hub_split, "text_field": text_field}
     else:
@@ -79,8 +88,9 @@ def load_source(description: dict, cache_dir: str | None = None):
     elif source == "files":
         ds = corpora.file_corpus([p for p, _, _ in description["files"]], description["text_field"], cache_dir)
     else:
-        ds = corpora.hub_dataset(description["name"], description["config"], description["split"],
-                                 description["text_field"], cache_dir)
+        ds = corpora.hub_dataset(
+            description["name"], description["config"], description["split"], description["text_field"], cache_dir
+        )
     return ds.select_columns(["text"])
 
 
@@ -108,8 +118,17 @@ def _tokenize(batch, tokenizer, dtype: str):
     return pa.table({"ids": ids, "nbytes": pa.LargeListArray.from_arrays(offsets, pa.array(nbytes)), "keep": keep})
 
 
-def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int | None = None,
-            num_proc: int | None = None, progress: bool = True, repeat: int = 1) -> str:
+def prepare(
+    ds,
+    tokenizer,
+    out: str,
+    meta: dict,
+    seed: int,
+    max_documents: int | None = None,
+    num_proc: int | None = None,
+    progress: bool = True,
+    repeat: int = 1,
+) -> str:
     """Tokenize ``ds`` (column ``text``), ``repeat`` times over, in the seeded order into the token folder ``out``;
     returns ``out``."""
     import datasets
@@ -153,8 +172,13 @@ def prepare(ds, tokenizer, out: str, meta: dict, seed: int, max_documents: int |
         bar.close()
         del tokens, ds
         shutil.rmtree(work, ignore_errors=True)
-        meta = {**meta, "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
-                "seed": seed, "max_documents": max_documents, "dtype": dtype}
+        meta = {
+            **meta,
+            "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
+            "seed": seed,
+            "max_documents": max_documents,
+            "dtype": dtype,
+        }
         return writer.finish(meta)
     except BaseException:
         writer.abort()
@@ -174,9 +198,17 @@ def _record_batches(ds):
             yield from pa.ipc.open_stream(f)
 
 
-def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_documents: int | None = None,
-                    num_proc: int | None = None, cache_dir: str | None = None, progress: bool = True,
-                    setting: str = "--out") -> tuple[str, bool]:
+def prepared_folder(
+    out: str,
+    description: dict,
+    tokenizer,
+    seed: int,
+    max_documents: int | None = None,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+    progress: bool = True,
+    setting: str = "--out",
+) -> tuple[str, bool]:
     """Make sure ``out`` holds this corpus's token folder: (path, whether it was tokenized now).
 
     An existing folder of the same corpus, tokenizer and order is kept (preparing is idempotent); anything else at
@@ -184,9 +216,7 @@ def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_docum
     key = folder_key(description, tokenizer, seed, max_documents)
     if os.path.exists(out):
         if not is_token_folder(out):
-            raise ConfigError(
-                f"{setting}={out!r} exists and is not a token folder: choose a new path or remove it"
-            )
+            raise ConfigError(f"{setting}={out!r} exists and is not a token folder: choose a new path or remove it")
         found = read_meta(out, setting)
         if found.get("key") != key:
             raise ConfigError(
@@ -202,8 +232,18 @@ def prepared_folder(out: str, description: dict, tokenizer, seed: int, max_docum
 
 
 # -- aah-prepare -------------------------------------------------------------------------------------------------------
-_DATA_DEFAULTS = {"source": "stdlib", "tokenizer": "byte", "paths": None, "text_field": "text", "hub_name": None,
-                  "hub_config": None, "hub_split": "train", "seed": 1234, "max_documents": None, "cache_dir": None}
+_DATA_DEFAULTS = {
+    "source": "stdlib",
+    "tokenizer": "byte",
+    "paths": None,
+    "text_field": "text",
+    "hub_name": None,
+    "hub_config": None,
+    "hub_split": "train",
+    "seed": 1234,
+    "max_documents": None,
+    "cache_dir": None,
+}
 
 
 def _data_settings(args) -> dict:
@@ -229,8 +269,12 @@ def main(argv: list[str] | None = None) -> None:
         description="Tokenize the corpus of a training config into a token folder (train with data.source=tokens, "
         "data.path=<folder>). Without --out it fills the cache folder a run of that config reads.",
     )
-    parser.add_argument("--config", action="append", default=[], help="training config(s); their data section "
-                        "says what to prepare (later ones win, flags below win over them)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="training config(s); their data section says what to prepare (later ones win, flags below win over them)",
+    )
     parser.add_argument("--out", help="the token folder to write (must not exist, or hold this very corpus)")
     parser.add_argument("--source", choices=("stdlib", "files", "hub"))
     parser.add_argument("--paths", nargs="+", help="files or glob patterns (source files)")
@@ -242,10 +286,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, help="orders the documents (the split is the tail of that order)")
     parser.add_argument("--max_documents", type=int)
     parser.add_argument("--cache_dir", help="cache folder (default $AAH_CACHE_DIR or ~/.cache/aah)")
-    parser.add_argument("--num_proc", type=int, help="tokenizer processes (default: 1 below 64 MB of text, else up "
-                        "to 4)")
-    parser.add_argument("--repeat", type=int, default=1, help="the corpus this many times over: a large corpus from "
-                        "a small one, for measurements")
+    parser.add_argument(
+        "--num_proc", type=int, help="tokenizer processes (default: 1 below 64 MB of text, else up to 4)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="the corpus this many times over: a large corpus from a small one, for measurements",
+    )
     parser.add_argument("--verify", metavar="FOLDER", help="check every checksum of a token folder, then exit")
     args = parser.parse_args(argv)
     try:
@@ -259,13 +308,28 @@ def main(argv: list[str] | None = None) -> None:
         if args.repeat < 1 or (args.num_proc is not None and args.num_proc < 1):
             raise ConfigError("--repeat and --num_proc must be positive integers")
         tokenizer = load_tokenizer(data["tokenizer"])
-        description = describe_source(data["source"], data["paths"], data["text_field"], data["hub_name"],
-                                      data["hub_config"], data["hub_split"], args.repeat)
+        description = describe_source(
+            data["source"],
+            data["paths"],
+            data["text_field"],
+            data["hub_name"],
+            data["hub_config"],
+            data["hub_split"],
+            args.repeat,
+        )
         key = folder_key(description, tokenizer, data["seed"], data["max_documents"])
         out = args.out or os.path.join(cache_root(data["cache_dir"]), key)
         start = time.perf_counter()
-        path, made = prepared_folder(out, description, tokenizer, data["seed"], data["max_documents"], args.num_proc,
-                                     data["cache_dir"], setting="--out")
+        path, made = prepared_folder(
+            out,
+            description,
+            tokenizer,
+            data["seed"],
+            data["max_documents"],
+            args.num_proc,
+            data["cache_dir"],
+            setting="--out",
+        )
     except ConfigError as e:
         print(f"aah-prepare: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -273,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     mb = meta["text_bytes"] / 1e6
     what = f"tokenized in {seconds:.1f} s ({mb / seconds:.1f} MB/s of text)" if made else "already prepared"
-    print(f"{path}: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {mb:.1f} MB of text; "
-          f"{what}")
+    print(
+        f"{path}: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {mb:.1f} MB of text; {what}"
+    )
     tok = "" if data["tokenizer"] == "byte" else f" --data.tokenizer={data['tokenizer']}"
     print(f"train from it: aah fit ... --data.source=tokens --data.path={path}{tok}")

@@ -24,8 +24,10 @@ def read_prompts(path, setting: str = "data.prompts") -> list[str]:
     """The prompts of ``path``: every non-blank line of a text file, or the ``prompt`` field of every non-blank line
     of a ``.jsonl`` / ``.json`` file."""
     if not path:
-        raise ConfigError(f"{setting} is not set: aah predict needs a prompts file (one prompt per line, or JSONL with "
-                          f"a 'prompt' field)")
+        raise ConfigError(
+            f"{setting} is not set: aah predict needs a prompts file (one prompt per line, or JSONL with "
+            f"a 'prompt' field)"
+        )
     if not os.path.isfile(path):
         raise ConfigError(f"{setting}={str(path)!r} does not exist: pass a prompts file (a prompt per line, or JSONL)")
     with open(path, encoding="utf-8") as f:
@@ -91,7 +93,9 @@ class PromptSet(Dataset):
 def prompt_loader(path, tokenizer, seq_len: int, batch_size: int, rank: int = 0, world: int = 1) -> DataLoader:
     """Batches of this rank's prompts, in file order."""
     if tokenizer is None:
-        raise ConfigError("aah predict needs a text tokenizer, and data.source='synthetic' has none: use the config "
-                          "of a model trained on text")
+        raise ConfigError(
+            "aah predict needs a text tokenizer, and data.source='synthetic' has none: use the config "
+            "of a model trained on text"
+        )
     prompts = PromptSet(read_prompts(path), tokenizer, seq_len, rank, world)
     return DataLoader(prompts, batch_size=batch_size, shuffle=False, collate_fn=prompts.collate)

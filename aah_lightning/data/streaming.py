@@ -65,7 +65,7 @@ class StreamedBlocks(IterableDataset):
             last = [hf]  # the datasets position after the last row read
             next_doc = [doc]
 
-            def documents():
+            def documents(before=before, last=last, next_doc=next_doc):  # this pass's records
                 for row in self.dataset:
                     position, last[0] = last[0], self.dataset.state_dict()
                     text = row["text"]
@@ -80,8 +80,14 @@ class StreamedBlocks(IterableDataset):
                 emitted = True
                 for d in [d for d in before if d < head]:
                     del before[d]
-                state = {"worker": worker, "pass": epoch, "hf": before.get(head, last[0]), "offset": offset,
-                         "doc": head, "block": count + 1}
+                state = {
+                    "worker": worker,
+                    "pass": epoch,
+                    "hf": before.get(head, last[0]),
+                    "offset": offset,
+                    "doc": head,
+                    "block": count + 1,
+                }
                 yield {**item, "index": count, "resume": json.dumps(state)}
                 count += 1
             if not emitted and skip == 0:  # a whole pass without a block: the next would not have one either

@@ -54,14 +54,21 @@ class TokenStream:
     token but the end-of-document one is one byte. Neither: the text size is unknown (synthetic data), no bits/byte.
     """
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray, eos_id: int, byte_lengths: np.ndarray | None = None,
-                 byte_level: bool = False, path: str | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        eos_id: int,
+        byte_lengths: np.ndarray | None = None,
+        byte_level: bool = False,
+        path: str | None = None,
+    ):
         self.tokens, self.starts, self.eos_id = tokens, starts, eos_id
         self.byte_lengths, self.byte_level, self.path = byte_lengths, byte_level, path
         self._reads = 0
 
     @classmethod
-    def from_documents(cls, docs: Iterable[np.ndarray], eos_id: int, byte_level: bool = False) -> "TokenStream":
+    def from_documents(cls, docs: Iterable[np.ndarray], eos_id: int, byte_level: bool = False) -> TokenStream:
         """An in-memory stream of ``docs``, each followed by ``eos_id``."""
         parts, lengths = [], []
         for doc in docs:
@@ -186,8 +193,15 @@ class FolderWriter:
         if self.bytes is not None:
             files["bytes.bin"] = self.bytes.close()
         meta = {
-            "format": FORMAT, "version": VERSION, **meta, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-            "tokens": self.n_tokens, "documents": self.n_docs, "text_bytes": self.n_text_bytes, "files": files,
+            "format": FORMAT,
+            "version": VERSION,
+            **meta,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "tokens": self.n_tokens,
+            "documents": self.n_docs,
+            "text_bytes": self.n_text_bytes,
+            "files": files,
         }
         with open(os.path.join(self.tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
@@ -212,7 +226,7 @@ def remove_stale_partials(out: str) -> None:
     parent, name = os.path.split(os.path.abspath(out))
     prefix = f"{name}{PARTIAL}{socket.gethostname()}-"
     for entry in os.listdir(parent) if os.path.isdir(parent) else []:
-        if entry.startswith(prefix) and entry[len(prefix):].isdigit() and not _alive(int(entry[len(prefix):])):
+        if entry.startswith(prefix) and entry[len(prefix) :].isdigit() and not _alive(int(entry[len(prefix) :])):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
@@ -240,9 +254,13 @@ def read_meta(path: str, setting: str) -> dict:
         with open(meta_path) as f:
             meta = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{setting}={path!r} is not a token folder (it has no {META}): prepare one with aah-prepare")
+        raise ConfigError(
+            f"{setting}={path!r} is not a token folder (it has no {META}): prepare one with aah-prepare"
+        ) from None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{setting}={path!r}: {META} cannot be read ({type(e).__name__}): prepare the folder again")
+        raise ConfigError(
+            f"{setting}={path!r}: {META} cannot be read ({type(e).__name__}): prepare the folder again"
+        ) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(
             f"{setting}={path!r} is not a token folder ({META} is not aah's): prepare one with aah-prepare"
@@ -265,8 +283,10 @@ def _check_file(path: str, name: str, info: dict, setting: str, full: bool) -> N
             f"prepare the folder again"
         )
     crcs = info["crc32"]
-    picks = range(len(crcs)) if full or len(crcs) <= SAMPLED_CHUNKS else sorted(
-        {round(i * (len(crcs) - 1) / (SAMPLED_CHUNKS - 1)) for i in range(SAMPLED_CHUNKS)}
+    picks = (
+        range(len(crcs))
+        if full or len(crcs) <= SAMPLED_CHUNKS
+        else sorted({round(i * (len(crcs) - 1) / (SAMPLED_CHUNKS - 1)) for i in range(SAMPLED_CHUNKS)})
     )
     piece = bytearray(1 << 20)  # read through one small buffer: checking never holds a chunk in memory
     with open(file, "rb") as f:
@@ -306,6 +326,7 @@ def open_folder(path: str, setting: str = "data.path", check: bool = True) -> tu
 
     tokens, starts = mapped("tokens.bin"), mapped("starts.bin")
     byte_lengths = mapped("bytes.bin") if "bytes.bin" in files else None
-    stream = TokenStream(tokens, starts, meta["eos_id"], byte_lengths, byte_level=meta["tokenizer"]["name"] == "byte",
-                         path=path)
+    stream = TokenStream(
+        tokens, starts, meta["eos_id"], byte_lengths, byte_level=meta["tokenizer"]["name"] == "byte", path=path
+    )
     return stream, meta

@@ -185,7 +185,9 @@ def load_checkpoint_file(
                 f"({_unsafe_reason(e)}); unpickling them could run arbitrary code. If you trust the file, pass "
                 f"--weights_only false"
             ) from e
-        raise ConfigError(f"{setting}={os.fspath(path)!r} is corrupt ({_first_line(e)}): use an earlier checkpoint") from e
+        raise ConfigError(
+            f"{setting}={os.fspath(path)!r} is corrupt ({_first_line(e)}): use an earlier checkpoint"
+        ) from e
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
         raise ConfigError(
             f"{setting}={os.fspath(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)}): it is corrupt or "

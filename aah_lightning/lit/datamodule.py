@@ -111,8 +111,12 @@ class TextDataModule(L.LightningDataModule):
         require(isinstance(seq_len, int) and seq_len > 0, "data.seq_len", seq_len, "a positive integer")
         require(isinstance(batch_size, int) and batch_size > 0, "data.batch_size", batch_size, "a positive integer")
         require(0.0 < val_fraction < 1.0, "data.val_fraction", val_fraction, "a number in (0, 1)")
-        require(0.0 <= test_fraction < 1.0 - val_fraction, "data.test_fraction", test_fraction,
-                f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})")
+        require(
+            0.0 <= test_fraction < 1.0 - val_fraction,
+            "data.test_fraction",
+            test_fraction,
+            f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})",
+        )
         require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
         if source == "files":
             corpora.expand_paths(paths or [])  # fail now, not after the model is built
@@ -177,16 +181,22 @@ class TextDataModule(L.LightningDataModule):
             except ConfigError as e:  # a damaged cache entry is rebuilt, not trusted
                 rank_zero_warn(f"{e}; tokenizing again")
                 shutil.rmtree(folder, ignore_errors=True)
-        prepare.prepared_folder(folder, self._describe_source(), self.tokenizer, hp.seed, hp.max_documents,
-                                hp.num_proc, hp.cache_dir, setting="the cached token folder")
+        prepare.prepared_folder(
+            folder,
+            self._describe_source(),
+            self.tokenizer,
+            hp.seed,
+            hp.max_documents,
+            hp.num_proc,
+            hp.cache_dir,
+            setting="the cached token folder",
+        )
 
     def _token_stream(self) -> TokenStream:
         hp = self.hparams
         if hp.source == "synthetic":
             distance = hp.synthetic_distance or hp.seq_len // 2
-            require(
-                0 < distance < hp.seq_len, "data.synthetic_distance", distance, f"in [1, seq_len={hp.seq_len})"
-            )
+            require(0 < distance < hp.seq_len, "data.synthetic_distance", distance, f"in [1, seq_len={hp.seq_len})")
             docs = synthetic_documents(hp.synthetic_documents, hp.seq_len, distance, hp.synthetic_vocab, seed=hp.seed)
             return TokenStream.from_documents(docs, self._eos)
         if hp.source == "tokens":
@@ -233,8 +243,9 @@ class TextDataModule(L.LightningDataModule):
         if hp.text_field != "text":
             ds = ds.rename_column(hp.text_field, "text")
         initial = ds.state_dict()  # taken before any reading: afterwards it reports where reading stopped
-        self.val_set, self.test_set, exclude = held_out_head(ds, self.tokenizer, hp.seq_len, hp.val_blocks,
-                                                             hp.test_blocks)
+        self.val_set, self.test_set, exclude = held_out_head(
+            ds, self.tokenizer, hp.seq_len, hp.val_blocks, hp.test_blocks
+        )
         rank, world = self._rank_world()
         if world > 1:
             from datasets.distributed import split_dataset_by_node

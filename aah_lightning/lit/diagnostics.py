@@ -41,8 +41,13 @@ class TableScalars:
     """The scalars of one window table, model-wide and (``per_layer``) per layer; the policy's group counts."""
 
     tags = (
-        "aah/acr", "aah/causal_coverage", "aah/block_density", "aah/window_fraction/<W>", "aah/window_change_rate",
-        "aah/levels_used", "aah/groups/level_<k>",
+        "aah/acr",
+        "aah/causal_coverage",
+        "aah/block_density",
+        "aah/window_fraction/<W>",
+        "aah/window_change_rate",
+        "aah/levels_used",
+        "aah/groups/level_<k>",
     )
 
     def __init__(self, per_layer: bool = True, block_density: bool = True):
@@ -147,8 +152,11 @@ class AttentionMassCoverage:
     Its query sample continues across a resume (``state_dict``), so a resumed run logs what an uninterrupted one would.
     """
 
-    tags = ("aah/attention_mass_coverage", "aah/attention_mass_coverage/min_head",
-            "aah/attention_mass_coverage/layer_<l>")
+    tags = (
+        "aah/attention_mass_coverage",
+        "aah/attention_mass_coverage/min_head",
+        "aah/attention_mass_coverage/layer_<l>",
+    )
 
     def __init__(self, sequences: int = 1, queries: int = 32, seed: int = 0, per_layer: bool = True):
         self.sequences, self.queries, self.per_layer = sequences, queries, per_layer
@@ -213,14 +221,26 @@ class WindowDiagnostics(L.Callback):
             amc_queries: sampled query positions per sequence (stratified over the sequence).
             amc_seed: seed of the query sampling.
         """
-        require(isinstance(every_n_steps, int) and every_n_steps >= 1, "diagnostics.every_n_steps", every_n_steps,
-                "a positive number of steps")
-        require(isinstance(amc_every_n_steps, int) and amc_every_n_steps >= 0, "diagnostics.amc_every_n_steps",
-                amc_every_n_steps, "0 (off) or a positive number of steps")
+        require(
+            isinstance(every_n_steps, int) and every_n_steps >= 1,
+            "diagnostics.every_n_steps",
+            every_n_steps,
+            "a positive number of steps",
+        )
+        require(
+            isinstance(amc_every_n_steps, int) and amc_every_n_steps >= 0,
+            "diagnostics.amc_every_n_steps",
+            amc_every_n_steps,
+            "0 (off) or a positive number of steps",
+        )
         require(amc_sequences >= 1, "diagnostics.amc_sequences", amc_sequences, "at least 1")
         require(amc_queries >= 1, "diagnostics.amc_queries", amc_queries, "at least 1")
-        require(isinstance(visuals_min_interval, int) and visuals_min_interval >= 1, "diagnostics.visuals_min_interval",
-                visuals_min_interval, "a positive number of steps")
+        require(
+            isinstance(visuals_min_interval, int) and visuals_min_interval >= 1,
+            "diagnostics.visuals_min_interval",
+            visuals_min_interval,
+            "a positive number of steps",
+        )
         self.every_n_steps = every_n_steps
         self.visuals_min_interval = visuals_min_interval
         self.amc_every_n_steps = amc_every_n_steps

@@ -52,8 +52,9 @@ class PositionLoss(Metric):
         batch, seq_len = token_losses.shape
         index = bucket_of(torch.arange(seq_len, device=token_losses.device))
         self.total.index_add_(0, index, token_losses.detach().sum(0).to(torch.float64))
-        self.count.index_add_(0, index, torch.full((seq_len,), float(batch), dtype=torch.float64,
-                                                   device=token_losses.device))
+        self.count.index_add_(
+            0, index, torch.full((seq_len,), float(batch), dtype=torch.float64, device=token_losses.device)
+        )
         self.length = torch.maximum(self.length, torch.tensor(seq_len, device=self.length.device))
 
     def compute(self) -> dict[str, Tensor]:

@@ -136,8 +136,12 @@ class ValidationSample(L.Callback):
             max_new_tokens: length of the continuation (tokens).
             enabled: log the sample (false: off).
         """
-        require(isinstance(max_new_tokens, int) and max_new_tokens > 0, "sample.max_new_tokens", max_new_tokens,
-                "a positive integer")
+        require(
+            isinstance(max_new_tokens, int) and max_new_tokens > 0,
+            "sample.max_new_tokens",
+            max_new_tokens,
+            "a positive integer",
+        )
         self.prompt, self.enabled = prompt, enabled
         self.settings = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
         self._skipped = False

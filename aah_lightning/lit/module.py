@@ -231,7 +231,11 @@ class AAHModule(L.LightningModule):
         decay, no_decay = {}, {}
         for module in self.model.modules():
             for name, p in module.named_parameters(recurse=False):
-                target = decay if isinstance(module, nn.Linear) and name == "weight" and p is not self.model.wte.weight else no_decay
+                target = (
+                    decay
+                    if isinstance(module, nn.Linear) and name == "weight" and p is not self.model.wte.weight
+                    else no_decay
+                )
                 target[id(p)] = p
         for key in decay.keys() & no_decay.keys():
             decay.pop(key)

@@ -63,7 +63,7 @@ class GPTConfig:
         require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "a positive number")
 
     @classmethod
-    def from_settings(cls, settings: Mapping) -> "GPTConfig":
+    def from_settings(cls, settings: Mapping) -> GPTConfig:
         """The GPT's settings among ``settings`` (e.g. the LightningModule's flat ``model.*`` hyperparameters)."""
         return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
 

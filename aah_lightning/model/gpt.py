@@ -126,7 +126,9 @@ class GPT(nn.Module):
         """Write the window table in place (int ``[n_layer, n_head]``); masks follow on the next forward."""
         table = torch.as_tensor(table, dtype=torch.int32)
         if table.shape != self.windows.shape:
-            raise ValueError(f"window table shape {tuple(table.shape)} != (n_layer, n_head) {tuple(self.windows.shape)}")
+            raise ValueError(
+                f"window table shape {tuple(table.shape)} != (n_layer, n_head) {tuple(self.windows.shape)}"
+            )
         self.windows.copy_(table.to(self.windows.device))
 
     def attention_plans(self, seq_len: int, doc_ids: Tensor | None = None, backend: str | None = None):

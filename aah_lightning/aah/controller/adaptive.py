@@ -91,7 +91,11 @@ class AdaptivePolicy(WindowPolicy):
     def measure(self, model, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Probe ``model`` on ``tokens`` ``[B, T]``: features ``[L, H, F]`` float64 on CPU, averaged over ranks."""
         probe = run_probe(
-            model, tokens, doc_ids, n_sequences=self.ctl.probe_sequences, n_queries=self.ctl.probe_queries,
+            model,
+            tokens,
+            doc_ids,
+            n_sequences=self.ctl.probe_sequences,
+            n_queries=self.ctl.probe_queries,
             generator=self.probe_generator,
         )
         x = feats.probe_features(probe, self.candidates)
@@ -126,10 +130,16 @@ class AdaptivePolicy(WindowPolicy):
             level0 = self._level0(layer, d)
             inputs.append(
                 LayerInputs(
-                    hierarchy=build_hierarchy(d, level0, self.thresholds[1:]), profile=profiles[layer],
-                    features=self.ema[layer], candidates=self.candidates, seq_len=self.seq_len,
-                    coverage_target=c.coverage_target, parent_constraint=c.parent_constraint, costs=self.costs,
-                    budget=None if ceiling is None else ceiling * self.n_head, layer=layer,
+                    hierarchy=build_hierarchy(d, level0, self.thresholds[1:]),
+                    profile=profiles[layer],
+                    features=self.ema[layer],
+                    candidates=self.candidates,
+                    seq_len=self.seq_len,
+                    coverage_target=c.coverage_target,
+                    parent_constraint=c.parent_constraint,
+                    costs=self.costs,
+                    budget=None if ceiling is None else ceiling * self.n_head,
+                    layer=layer,
                 )
             )
             self.partitions[layer] = level0

@@ -112,8 +112,12 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
     groups = h.levels[top]
     chosen: list[list[int]] = [[] for _ in h.levels]
     chosen[top] = choose_siblings(
-        [profile(g) for g in groups], [len(g) for g in groups], [K - 1] * len(groups),
-        inputs.coverage_target, inputs.costs, inputs.budget,
+        [profile(g) for g in groups],
+        [len(g) for g in groups],
+        [K - 1] * len(groups),
+        inputs.coverage_target,
+        inputs.costs,
+        inputs.budget,
     )
     for level in range(top - 1, -1, -1):
         groups = h.levels[level]
@@ -125,8 +129,12 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
             cap = parent_idx if inputs.parent_constraint else K - 1
             budget = None if inputs.budget is None else len(parent_group) * float(inputs.costs[parent_idx])
             picks = choose_siblings(
-                [profile(groups[c]) for c in kids], [len(groups[c]) for c in kids], [cap] * len(kids),
-                inputs.coverage_target, inputs.costs, budget,
+                [profile(groups[c]) for c in kids],
+                [len(groups[c]) for c in kids],
+                [cap] * len(kids),
+                inputs.coverage_target,
+                inputs.costs,
+                budget,
             )
             for c, idx in zip(kids, picks):
                 chosen[level][c] = idx

@@ -42,7 +42,7 @@ class Hierarchy:
         return [[list(g) for g in level] for level in self.levels]
 
     @classmethod
-    def from_state(cls, state: list) -> "Hierarchy":
+    def from_state(cls, state: list) -> Hierarchy:
         return cls([[list(map(int, g)) for g in level] for level in state])
 
 

@@ -32,6 +32,7 @@ authors' (those depend on the exact RNG draw order of their model), so parity is
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -82,7 +83,7 @@ class PaperAllocator:
         self.layers = [init_layer(n_candidates, g) for _ in range(n_layer)]
 
     @classmethod
-    def for_policy(cls, ctl, n_layer: int, candidates: list[int], seed: int) -> "PaperAllocator":
+    def for_policy(cls, ctl, n_layer: int, candidates: list[int], seed: int) -> PaperAllocator:
         return cls(n_layer, len(candidates), seed, joint=ctl.paper_joint_scorer)
 
     # -- inputs --------------------------------------------------------------------------------------------------

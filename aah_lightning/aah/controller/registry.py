@@ -7,7 +7,7 @@ checkpointed with the policy, like ``paper``'s fixed random networks); ``make_al
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from aah_lightning.aah.controller.allocators import LayerInputs, reach_allocator
 from aah_lightning.aah.controller.paper_allocator import PaperAllocator

@@ -196,7 +196,7 @@ def fa4_missing(device: torch.device) -> str | None:
     try:
         importlib.import_module("flash_attn.cute")
     except Exception as err:  # not installed, or its CUDA libraries do not load
-        return f"flash_attn.cute does not import ({type(err).__name__}: {err}); pip install -e \".[fa4]\""
+        return f'flash_attn.cute does not import ({type(err).__name__}: {err}); pip install -e ".[fa4]"'
     return None
 
 

@@ -79,8 +79,12 @@ class SplitPlan(Plan):
     def tile_counts(self, block_size: int) -> TileCounts:
         counts = [p.tile_counts(block_size) for p in self.parts]
         sources = sorted({c.source for c in counts})
-        return TileCounts(sum(c.partial for c in counts), sum(c.full for c in counts),
-                          sum(c.causal for c in counts), "+".join(sources))
+        return TileCounts(
+            sum(c.partial for c in counts),
+            sum(c.full for c in counts),
+            sum(c.causal for c in counts),
+            "+".join(sources),
+        )
 
     def computed_pairs(self, block_size: int) -> int:
         return sum(p.computed_pairs(block_size) for p in self.parts)
@@ -145,4 +149,3 @@ class SplitBackend(Backend):
         if doc_ids is not None:  # every head needs the document mask: one group
             return split_plan(row, seq_len, [0] * len(row), part, device)
         return split_plan(row, seq_len, [w >= seq_len for w in row], part, device)
-
