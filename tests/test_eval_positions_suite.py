@@ -1,15 +1,10 @@
 """tools/suite.py's frontier outputs on hand-made records: the per-step ACR mean, the frontier table, positions.md."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("suite", ROOT / "tools" / "suite.py")
-suite = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(suite)
+from tools import suite
 
 
 def record(row, seed, val, acr, long=None, **pos):

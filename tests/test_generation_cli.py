@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import runpy
 
 import pytest
 import torch
 
-from _cli_helpers import REPO, cli_error, tiny_config, train_tiny
+from _cli_helpers import cli_error, tiny_config, train_tiny
 from aah_lightning.cli import main
 from aah_lightning.data import prompts as prompt_data
 from aah_lightning.data.tokenizers import ByteTokenizer
 from aah_lightning.errors import ConfigError
 from tb import read_events
+from tools import generate as generate_tool
 
 CORPUS = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n" * 40
 
@@ -99,7 +98,7 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
     assert tok.decode(direct[0].tokens) == rows[1]["completion"]
 
     # The quick form: same checkpoint, same greedy continuation; a bad setting is one line and exit code 2.
-    quick = runpy.run_path(os.path.join(REPO, "tools", "generate.py"))["main"]
+    quick = generate_tool.main
     capsys.readouterr()
     assert quick([f"{tmp_path}/ckpts/last.ckpt", "--prompt", "def add(", "--max-new-tokens=7", "--temperature=0"]) == 0
     out, err = capsys.readouterr()

@@ -1,18 +1,14 @@
 """tools/gpu_tune.py's code paths on CPU (--smoke: tiny shapes, float32, CPU kernels); the numbers mean nothing."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tools import gpu_tune
+
 
 def load_tool():
-    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_tune.py"
-    spec = importlib.util.spec_from_file_location("aah_gpu_tune", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
-    return tune
+    return gpu_tune
 
 
 @pytest.mark.heavy  # an end-to-end tool run (~15-30 s on a busy 2-core machine)

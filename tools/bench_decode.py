@@ -20,14 +20,24 @@ import datetime
 import os
 import shlex
 import sys
-import time
 
-import bench  # tools/bench.py, next to this file
 import torch
-from bench import SUMMARY, aah_table, check, emit, fmt, machine, md_table, med, small_model, timeit
 
 from aah_lightning.aah import metrics
+from aah_lightning.benchmarking import (
+    SUMMARY,
+    aah_table,
+    check,
+    emit,
+    fmt,
+    machine,
+    med,
+    small_model,
+    timeit,
+    use_clock,
+)
 from aah_lightning.model import generate as gen
+from aah_lightning.reporting import md_table
 
 
 def variant_models(seq_len: int) -> dict:
@@ -150,7 +160,7 @@ def main(argv=None) -> None:
         help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier",
     )
     args = p.parse_args(argv)
-    bench.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    use_clock(args.clock)
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])

@@ -32,14 +32,14 @@ import sys
 import time
 import traceback
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
-from aah_lightning.model import masks  # noqa: E402
-from aah_lightning.model.attention import backend_names, get_backend  # noqa: E402
-from aah_lightning.model.config import GPTConfig  # noqa: E402
-from aah_lightning.model.gpt import GPT  # noqa: E402
+from aah_lightning.model import masks
+from aah_lightning.model.attention import backend_names, get_backend
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
 
 # Every plan (model.backend) but the dense reference, checked against the float64 reference; one that cannot run
 # here says why.

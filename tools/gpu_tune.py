@@ -38,21 +38,19 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, if not installed
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (bench's helpers)
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
-import bench  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
-
-from aah_lightning.aah import metrics  # noqa: E402
-from aah_lightning.model import masks  # noqa: E402
-from aah_lightning.model.attention import backend_names, get_backend  # noqa: E402
-from aah_lightning.model.attention.flex import FlexPlan, device_arch  # noqa: E402
-from aah_lightning.model.attention.sdpa import CausalPlan  # noqa: E402
-from aah_lightning.model.config import GPTConfig  # noqa: E402
-from aah_lightning.model.gpt import GPT  # noqa: E402
+from aah_lightning import benchmarking as bench
+from aah_lightning.aah import metrics
+from aah_lightning.model import masks
+from aah_lightning.model.attention import backend_names, get_backend
+from aah_lightning.model.attention.flex import FlexPlan, device_arch
+from aah_lightning.model.attention.sdpa import CausalPlan
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
+from aah_lightning.reporting import sync
 
 # The plans measured: every registered backend but the dense-mask reference; one that cannot train here is reported
 # with its reason.
@@ -216,7 +214,7 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
             t0 = time.perf_counter()
             fwd, fwd_bwd = timed_pair(plan, qkv, dout)
             fwd_bwd()  # compiles
-            bench.sync(device)
+            sync(device)
             compile_s[name] = time.perf_counter() - t0
             if first and name != "sdpa causal":  # the baseline: not the windowed mask
                 parity(run, name, plan, qkv, dout, want, sdpa_err, floor)
@@ -292,7 +290,7 @@ def recompiles(run: Run, plans: dict, row: torch.Tensor, T: int, qkv, dout, devi
                 before = graphs()
                 new_plan = get_backend(name).build(tuple(new_row.tolist()), T, None, device=device, block_size=128)
                 timed_pair(new_plan, qkv, dout)[1]()
-                bench.sync(device)
+                sync(device)
                 counts[label] = graphs() - before
         except Exception as err:
             counts["error"] = run.error(f"recompiles {name} T={T}", err)
@@ -339,7 +337,7 @@ def tuning(run: Run, args, device, dtype) -> None:
 
 # -- end to end --------------------------------------------------------------------------------------------------
 def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
-    """The ~124M GPT of bench.py's CUDA section; with ``smoke`` a tiny one."""
+    """The ~124M GPT of tools/bench.py's CUDA section; with ``smoke`` a tiny one."""
     if not smoke:
         return bench.small_model(device, seq_len, backend)
     torch.manual_seed(0)
@@ -367,7 +365,7 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
             run.results["end_to_end"].append(
                 {"T": T, "B": B, "variant": label, "error": run.error(f"end to end {label} T={T}", err)}
             )
-        bench.sync(device)
+        sync(device)
     times = bench.timeit(steps, device, args.train_repeats, warmup=1)
     if "full causal" not in times:
         return
