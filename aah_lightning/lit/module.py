@@ -151,7 +151,9 @@ class AAHModule(L.LightningModule):
         """``[B, T]``: the cross-entropy of each next-token prediction."""
         inputs, targets, docs = split_batch(batch)
         logits = self.model(inputs, docs)
-        return F.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")
+        # Classes last and rows contiguous, as in the usual flattened form (the fast kernel path on every device).
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        return losses.view_as(targets)
 
     def _loss(self, batch) -> torch.Tensor:
         return self._token_losses(batch).mean()
