@@ -187,14 +187,16 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
     captured: list[list] = [[] for _ in attns]  # a plain list: the capture hook also runs inside compiled blocks
     for attn, store in zip(attns, captured):
         attn.capture = store
+
+    def fill(layer: int) -> None:  # right after the layer: its q, k, v are freed before the next layer runs
+        _, k, v = captured[layer].pop()
+        cache.fill(layer, k, v, lengths_list)
+
     try:
-        logits = model(tokens, at=lengths - 1)
+        logits = model(tokens, at=lengths - 1, after_block=fill)
     finally:
         for attn in attns:
             attn.capture = None
-    for layer, store in enumerate(captured):
-        _, k, v = store[0]
-        cache.fill(layer, k, v, lengths_list)
     cache.positions = lengths.clone()
     cache.min_position = min(lengths_list)
     return cache, logits

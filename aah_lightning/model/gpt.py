@@ -139,17 +139,26 @@ class GPT(nn.Module):
         return self.planner.plans(self.windows, seq_len, name, docs)
 
     def forward(
-        self, idx: Tensor, doc_ids: Tensor | None = None, backend: str | None = None, at: Tensor | None = None
+        self,
+        idx: Tensor,
+        doc_ids: Tensor | None = None,
+        backend: str | None = None,
+        at: Tensor | None = None,
+        after_block=None,
     ) -> Tensor:
         """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. ``doc_ids`` (``[B, T]``) only matter with
         ``document_mask``. ``at`` (``[B]`` positions): only the logits there, ``[B, vocab]`` (generation's prefill
-        needs one position per row, and the output layer is the costliest matmul of a large vocabulary)."""
+        needs one position per row, and the output layer is the costliest matmul of a large vocabulary).
+        ``after_block(layer)`` is called after each block (generation's prefill moves that layer's keys and values
+        into its cache there, so no layer's q, k, v stay alive until the forward ends)."""
         T = idx.shape[1]
         plans = self.attention_plans(T, doc_ids, backend)
         x = self.wte(idx)
         cos, sin = self.rotary(T, x.device, torch.float32)
-        for block, plan in zip(self.blocks, plans):
+        for layer, (block, plan) in enumerate(zip(self.blocks, plans)):
             x = block(x, cos, sin, plan)
+            if after_block is not None:
+                after_block(layer)
         if at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), at]
         return self.lm_head(self.ln_f(x))
