@@ -512,7 +512,8 @@ def main(argv=None) -> None:
             record[f"seq{n} val_loss"] = long["val/loss"][-1][1]
             record.update(position_losses(long, f"seq{n} "))
         print(
-            f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  acr {record['acr']:.3f}  {wall:.0f} s",
+            f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  ACR paid {record['acr_mean']:.3f} "
+            f"(last {record['acr']:.3f})  {wall:.0f} s",
             flush=True,
         )
         return record
