@@ -102,6 +102,20 @@ def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
     big.on_load_checkpoint(ckpt)
     big.load_state_dict(ckpt["state_dict"])
     assert big.model.windows.tolist() == [[128, 8], [16, 128]]
+    # trained_span: the full heads keep the trained length as a sliding window instead
+    ckpt = {"hyper_parameters": dict(small.hparams), "state_dict": small.state_dict()}
+    kept = AAHModule(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        seq_len=128,
+        vocab_size=65,
+        full_heads_beyond_trained="trained_span",
+        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
+    )
+    kept.on_load_checkpoint(ckpt)
+    kept.load_state_dict(ckpt["state_dict"])
+    assert kept.model.windows.tolist() == [[64, 8], [16, 64]]
 
 
 def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tensor:
@@ -174,3 +188,20 @@ def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_ar
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["val/loss_by_position/64-127"])
     if policy == "full":
         assert (trained == 64).all()  # what the validation at 128 widened to the whole context again
+        # trained_span: the same checkpoint with the full heads held to the trained 64 tokens as a sliding window.
+        # Positions below 64 see the same keys either way; from 64 on, the far keys are dropped.
+        main(
+            tiny_args(
+                *args,
+                f"--ckpt_path={tmp_path}/ckpt/last.ckpt",
+                "--trainer.logger.init_args.name=kept",
+                "--model.full_heads_beyond_trained=trained_span",
+                subcommand="validate",
+                seq_len=128,
+            )
+        )
+        kept = read_events(tmp_path / "runs" / "kept")["scalars"]
+        assert kept["val/loss_by_position/0-63"][-1][1] == pytest.approx(scalars["val/loss_by_position/0-63"][-1][1])
+        assert kept["val/loss_by_position/64-127"][-1][1] != pytest.approx(
+            scalars["val/loss_by_position/64-127"][-1][1], rel=1e-6
+        )

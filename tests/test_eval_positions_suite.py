@@ -72,3 +72,31 @@ def test_write_outputs_adds_the_frontier_files(tmp_path):
     suite.write_outputs(str(tmp_path), records, rows, {(r, 0): [(1, 2.0)] for r in rows})
     for name in ("results.md", "results.csv", "positions.md", "frontier.md", "frontier.png"):
         assert (tmp_path / name).exists(), name
+
+
+def test_trained_span_table_pairs_with_the_baseline_held_to_its_trained_span(tmp_path):
+    records = [
+        {**record("baseline", 0, 2.0, 1.0, long=2.5), "span2048 val_loss": 1.9},
+        {**record("baseline", 1, 2.2, 1.0, long=2.9), "span2048 val_loss": 2.1},
+        {**record("fixed_acr0.25", 0, 1.9, 0.25, long=2.0), "span2048 val_loss": 2.0},
+        {**record("fixed_acr0.25", 1, 2.0, 0.25, long=2.1), "span2048 val_loss": 2.1},
+    ]
+    assert suite.eval_lengths(records) == [2048] and suite.eval_lengths(records, "span") == [2048]
+    by_row = {r: [x for x in records if x["row"] == r] for r in ("baseline", "fixed_acr0.25")}
+    lines = suite.span_table(by_row, [2048]).splitlines()
+    body = [cells(line) for line in lines[2:]]
+    assert body[0][:4] == ["1", "baseline", "2", "2.0000 ± 0.1414"] and body[0][4] == "–"
+    assert body[1][:5] == ["0.25", "fixed", "2", "2.0500 ± 0.0707", "+0.0500 ± 0.0707"]  # +0.1 and 0.0
+    suite.write_outputs(str(tmp_path), records, list(by_row), {(r, s): [(1, 2.0)] for r in by_row for s in (0, 1)})
+    assert "trained span" in (tmp_path / "frontier.md").read_text()
+
+
+def test_dry_run_lists_a_trained_span_validation_per_length(tmp_path, capsys):
+    suite.main(
+        ["--rows", "configs/frontier", "--only", "baseline", "--seeds", "0", "--out", str(tmp_path), "--dry-run"]
+        + ["--eval-seq-lens", "2048", "--eval-trained-span"]
+    )
+    commands = [line for line in capsys.readouterr().out.splitlines() if " validate " in line]
+    assert len(commands) == 2
+    assert "full_heads_beyond_trained" not in commands[0] and "seq2048" in commands[0]
+    assert "--model.full_heads_beyond_trained=trained_span" in commands[1] and "seq2048_span" in commands[1]

@@ -98,9 +98,14 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
     ]
 
 
-def validate_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[str], seq_len: int) -> list[str]:
-    """``aah validate`` of the run's last checkpoint at ``seq_len`` tokens, logged to ``<run>/eval/seq<seq_len>``."""
+def validate_command(
+    rows_dir: str, row_path: str, seed: int, out: str, extra: list[str], seq_len: int, trained_span: bool = False
+) -> list[str]:
+    """``aah validate`` of the run's last checkpoint at ``seq_len`` tokens, logged to ``<run>/eval/seq<seq_len>``;
+    with ``trained_span`` the heads that saw the whole trained context keep that length as a sliding window
+    (``model.full_heads_beyond_trained``), logged to ``<run>/eval/seq<seq_len>_span``."""
     rd = run_dir(out, row_name(row_path), seed)
+    name = f"seq{seq_len}_span" if trained_span else f"seq{seq_len}"
     return [
         sys.executable,
         "-m",
@@ -113,13 +118,14 @@ def validate_command(rows_dir: str, row_path: str, seed: int, out: str, extra: l
         f"--seed_everything={seed}",
         f"--model.aah.seed={seed}",
         f"--trainer.logger.init_args.save_dir={os.path.join(rd, 'eval')}",
-        f"--trainer.logger.init_args.name=seq{seq_len}",
+        f"--trainer.logger.init_args.name={name}",
         "--trainer.logger.init_args.version=logs",
         f"--checkpoint.dirpath={checkpoint_dir(rd)}",
         "--trainer.enable_progress_bar=false",
         *extra,
         f"--data.seq_len={seq_len}",
         f"--ckpt_path={os.path.join(checkpoint_dir(rd), 'last.ckpt')}",
+        *(["--model.full_heads_beyond_trained=trained_span"] if trained_span else []),
     ]
 
 
@@ -210,6 +216,8 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         f.write(position_tables(records, rows))
     if any(FRONTIER_ROW.match(r) for r in rows):
         frontier = frontier_table(by_row, base, eval_lengths(records))
+        if eval_lengths(records, "span"):
+            frontier += "\n" + span_table(by_row, eval_lengths(records, "span"))
         with open(os.path.join(out, "frontier.md"), "w") as f:
             f.write(frontier)
         plot_frontier(out, by_row, base, eval_lengths(records))
@@ -288,9 +296,11 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     plt.close(fig)
 
 
-def eval_lengths(records: list[dict]) -> list[int]:
-    """The --eval-seq-lens lengths the records hold a validation loss for."""
-    return sorted({int(k[3:].split()[0]) for x in records for k in x if re.fullmatch(r"seq\d+ val_loss", k)})
+def eval_lengths(records: list[dict], kind: str = "seq") -> list[int]:
+    """The --eval-seq-lens lengths the records hold a validation loss for: ``seq`` (full heads see the whole context)
+    or ``span`` (full heads keep the trained span, --eval-trained-span)."""
+    found = (re.fullmatch(kind + r"(\d+) val_loss", k) for x in records for k in x)
+    return sorted({int(m[1]) for m in found if m})
 
 
 def _bucket_start(column: str) -> int:
@@ -301,11 +311,16 @@ def position_tables(records: list[dict], rows: list[str]) -> str:
     """Markdown: each row's last-validation loss per position bucket (mean ± std over seeds), at the training length
     and at every --eval-seq-lens length."""
     parts = []
-    for prefix in ["", *(f"seq{n} " for n in eval_lengths(records))]:
+    prefixes = ["", *(f"seq{n} " for n in eval_lengths(records)), *(f"span{n} " for n in eval_lengths(records, "span"))]
+    for prefix in prefixes:
         cols = sorted({k for x in records for k in x if k.startswith(prefix + "pos ")}, key=_bucket_start)
         if not cols:
             continue
-        where = "the training length" if not prefix else f"{prefix[3:].strip()} tokens"
+        where = (
+            "the training length" if not prefix else f"{prefix[4 if prefix.startswith('span') else 3 :].strip()} tokens"
+        )
+        if prefix.startswith("span"):
+            where += ", full heads held to the trained span"
         parts += [
             f"Validation loss by position at {where} (nats/token, mean ± std over seeds; columns: positions)\n",
             "| row | " + " | ".join(c[len(prefix) + 4 :] for c in cols) + " |",
@@ -371,6 +386,32 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
                 "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}",
             ]
         entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
+    return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
+
+
+def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
+    """Markdown: the loss at each longer length when every head that saw the whole trained context keeps the trained
+    length as a sliding window (the baseline becomes a sliding window of T), next to the paired difference to the
+    baseline evaluated the same way: extrapolation compared without the full heads' unseen distances."""
+    bases = {n: {x["seed"]: x.get(f"span{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])} for n in lengths}
+    head, rule = "| target ACR | family | seeds |", "|---|---|---|"
+    for n in lengths:
+        head += f" val loss at {n} tokens, trained span | Δ vs baseline (trained span) |"
+        rule += "---|---|"
+    entries = []
+    for target, family, r in frontier_rows(by_row):
+        recs = by_row[r]
+        if not recs:
+            continue
+        cells = [f"{target:g}", family, str(len(recs))]
+        for n in lengths:
+            key = f"span{n} val_loss"
+            dn = mean_std([x.get(key, math.nan) - bases[n].get(x["seed"], math.nan) for x in recs])
+            cells += [
+                fmt(*mean_std([x.get(key, math.nan) for x in recs])),
+                "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}",
+            ]
+        entries.append(((-target, family), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
 
@@ -448,6 +489,11 @@ def main(argv=None) -> None:
         default=[],
         help="also validate each run's last checkpoint at these sequence lengths (e.g. 2T and 4T)",
     )
+    p.add_argument(
+        "--eval-trained-span",
+        action="store_true",
+        help="validate at each --eval-seq-lens length a second time with full heads held to the trained length",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
@@ -457,11 +503,13 @@ def main(argv=None) -> None:
     rows = [row_name(f) for f in files]
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     runs = [(path, seed) for path in files for seed in args.seeds]
+    long_validations = [(n, span) for n in args.eval_seq_lens for span in [False, *([True] * args.eval_trained_span)]]
     if args.dry_run:
         for path, seed in runs:
             print(" ".join(shlex.quote(a) for a in fit_command(args.rows, path, seed, args.out, extra)))
-            for n in args.eval_seq_lens:
-                print(" ".join(shlex.quote(a) for a in validate_command(args.rows, path, seed, args.out, extra, n)))
+            for n, span in long_validations:
+                cmd = validate_command(args.rows, path, seed, args.out, extra, n, span)
+                print(" ".join(shlex.quote(a) for a in cmd))
         return
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up: one setting for every run
@@ -498,19 +546,19 @@ def main(argv=None) -> None:
         series = read_scalars(os.path.join(rd, "logs"))
         curves[(row_name(path), seed)] = series.get("val/loss", [])
         record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(series), **position_losses(series)}
-        for n in args.eval_seq_lens:  # the finished run's last checkpoint at other lengths (each done once)
-            ed = os.path.join(rd, "eval", f"seq{n}")
+        for n, span in long_validations:  # the finished run's last checkpoint at other lengths (each done once)
+            ed = os.path.join(rd, "eval", f"seq{n}_span" if span else f"seq{n}")
             if not os.path.exists(os.path.join(ed, "done")):
                 shutil.rmtree(ed, ignore_errors=True)
                 os.makedirs(ed)
                 with open(os.path.join(ed, "validate.log"), "w") as log:
-                    cmd = validate_command(args.rows, path, seed, args.out, extra, n)
+                    cmd = validate_command(args.rows, path, seed, args.out, extra, n, span)
                     if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode:
                         raise RuntimeError(f"{row_name(path)} seed {seed}: validation at {n} tokens failed; see {ed}")
                 open(os.path.join(ed, "done"), "w").close()
-            long = read_scalars(ed)
-            record[f"seq{n} val_loss"] = long["val/loss"][-1][1]
-            record.update(position_losses(long, f"seq{n} "))
+            long, key = read_scalars(ed), f"span{n}" if span else f"seq{n}"
+            record[f"{key} val_loss"] = long["val/loss"][-1][1]
+            record.update(position_losses(long, f"{key} "))
         print(
             f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  ACR paid {record['acr_mean']:.3f} "
             f"(last {record['acr']:.3f})  {wall:.0f} s",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import lightning as L
 import torch
@@ -77,6 +77,7 @@ class AAHModule(L.LightningModule):
         document_mask: bool = False,
         compile_blocks: bool = False,
         activation_checkpointing: bool = False,
+        full_heads_beyond_trained: Literal["whole_context", "trained_span"] = "whole_context",
         aah: Optional[AAHConfig] = None,
         optim: Optional[OptimConfig] = None,
     ):
@@ -96,6 +97,9 @@ class AAHModule(L.LightningModule):
             document_mask: queries attend only within their own document.
             compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.
             activation_checkpointing: recompute each block's activations in the backward pass (less memory).
+            full_heads_beyond_trained: a checkpoint run at a longer sequence than it was trained on: heads whose
+                window was the whole trained context see the whole new context (whole_context) or keep the trained
+                length as a sliding window (trained_span: no head sees a distance it never saw in training).
             aah: the window policy and its settings.
             optim: optimiser and schedule.
         """
@@ -288,7 +292,8 @@ class AAHModule(L.LightningModule):
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
         validation.check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
-        widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
+        if self.hparams.get("full_heads_beyond_trained", "whole_context") == "whole_context":
+            widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
         states = checkpoint.get("aah_rng")
         world = self.trainer.world_size if self._trainer is not None else 1
