@@ -100,3 +100,23 @@ def test_dry_run_lists_a_trained_span_validation_per_length(tmp_path, capsys):
     assert len(commands) == 2
     assert "full_heads_beyond_trained" not in commands[0] and "seq2048" in commands[0]
     assert "--model.full_heads_beyond_trained=trained_span" in commands[1] and "seq2048_span" in commands[1]
+
+
+def test_versus_uniform_pairs_each_family_with_the_fixed_row_of_its_target():
+    records = [
+        record("baseline", 0, 2.0, 1.0),
+        record("fixed_acr0.25", 0, 1.9, 0.25),
+        record("fixed_acr0.25", 1, 2.0, 0.25),
+        record("static_acr0.25", 0, 1.8, 0.25),
+        record("static_acr0.25", 1, 1.95, 0.25),
+        record("random_acr0.25", 0, 2.0, 0.25),
+        record("random_acr0.25", 1, 1.9, 0.25),
+        record("random_acr0.5", 0, 1.0, 0.5),  # no fixed row at 0.5: nothing to pair with
+    ]
+    rows = ["baseline", "fixed_acr0.25", "static_acr0.25", "random_acr0.25", "random_acr0.5"]
+    by_row = {r: [x for x in records if x["row"] == r] for r in rows}
+    body = [cells(line) for line in suite.versus_uniform_table(by_row).splitlines()[2:]]
+    assert body == [
+        ["0.25", "static", "-0.0750 ± 0.0354", "-0.100 / -0.050", "below"],
+        ["0.25", "random", "+0.0000 ± 0.1414", "+0.100 / -0.100", "no"],
+    ]

@@ -216,6 +216,7 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         f.write(position_tables(records, rows))
     if any(FRONTIER_ROW.match(r) for r in rows):
         frontier = frontier_table(by_row, base, eval_lengths(records))
+        frontier += "\n" + versus_uniform_table(by_row)
         if eval_lengths(records, "span"):
             frontier += "\n" + span_table(by_row, eval_lengths(records, "span"))
         with open(os.path.join(out, "frontier.md"), "w") as f:
@@ -387,6 +388,33 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
             ]
         entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
+
+
+UNIFORM = "fixed"  # the family that gives every head one window: what per-head allocation has to beat
+
+
+def versus_uniform_table(by_row: dict[str, list[dict]]) -> str:
+    """Markdown: at each target, every other family's val loss minus the ``fixed`` row's at the same target, paired
+    by seed (the decisive comparison: per-head windows against one window for all at the same compute). "all seeds"
+    says whether the sign is the same for every seed."""
+    lines = [
+        "| target ACR | family | Δ val loss vs fixed, mean ± std | Δ per seed | all seeds agree |",
+        "|---|---|---|---|---|",
+    ]
+    uniform = {t: r for t, f, r in frontier_rows(by_row) if f == UNIFORM}
+    entries = []
+    for target, family, r in frontier_rows(by_row):
+        if family in (UNIFORM, BASELINE) or target not in uniform or not by_row[r]:
+            continue
+        ref = {x["seed"]: x["val_loss"] for x in by_row[uniform[target]]}
+        diffs = paired_diffs(by_row[r], ref)
+        if not diffs:
+            continue
+        d = mean_std(diffs)
+        agree = "below" if all(v < 0 for v in diffs) else "above" if all(v > 0 for v in diffs) else "no"
+        cells = [f"{target:g}", family, f"{d[0]:+.4f} ± {d[1]:.4f}", " / ".join(f"{v:+.3f}" for v in diffs), agree]
+        entries.append(((-target, d[0]), "| " + " | ".join(cells) + " |"))
+    return "\n".join([*lines, *(line for _, line in sorted(entries))]) + "\n"
 
 
 def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
