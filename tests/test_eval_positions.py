@@ -81,41 +81,31 @@ def test_full_heads_stay_full_at_a_longer_length():
     assert torch.equal(shorter["state_dict"]["model.windows"], table)
 
 
+def static_module(seq_len: int, **settings) -> AAHModule:
+    return AAHModule(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        seq_len=seq_len,
+        vocab_size=65,
+        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
+        **settings,
+    )
+
+
+def loaded_windows(trained: AAHModule, module: AAHModule) -> list:
+    """The window table ``module`` has after loading a checkpoint of ``trained`` the way Lightning does."""
+    ckpt = {"hyper_parameters": dict(trained.hparams), "state_dict": trained.state_dict()}
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"])
+    return module.model.windows.tolist()
+
+
 def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
-    small = AAHModule(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        seq_len=64,
-        vocab_size=65,
-        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
-    )
-    ckpt = {"hyper_parameters": dict(small.hparams), "state_dict": small.state_dict()}
-    big = AAHModule(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        seq_len=128,
-        vocab_size=65,
-        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
-    )
-    big.on_load_checkpoint(ckpt)
-    big.load_state_dict(ckpt["state_dict"])
-    assert big.model.windows.tolist() == [[128, 8], [16, 128]]
+    small = static_module(64)
+    assert loaded_windows(small, static_module(128)) == [[128, 8], [16, 128]]
     # trained_span: the full heads keep the trained length as a sliding window instead
-    ckpt = {"hyper_parameters": dict(small.hparams), "state_dict": small.state_dict()}
-    kept = AAHModule(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        seq_len=128,
-        vocab_size=65,
-        full_heads_beyond_trained="trained_span",
-        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
-    )
-    kept.on_load_checkpoint(ckpt)
-    kept.load_state_dict(ckpt["state_dict"])
-    assert kept.model.windows.tolist() == [[64, 8], [16, 64]]
+    assert loaded_windows(small, static_module(128, full_heads_beyond_trained="trained_span")) == [[64, 8], [16, 64]]
 
 
 def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tensor:

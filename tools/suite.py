@@ -186,7 +186,7 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         writer.writerows(records)
 
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
-    base = {x["seed"]: x["val_loss"] for x in by_row.get(BASELINE, [])}
+    base = baseline_by_seed(by_row, "val_loss")
     lines = [
         "| row | seeds | val loss | val ppl | Δ val loss vs baseline | gain in last val interval | ACR | "
         "ACR, mean over the run | "
@@ -349,6 +349,18 @@ def frontier_rows(by_row: dict[str, list[dict]]) -> list[tuple[float, str, str]]
     return out
 
 
+def baseline_by_seed(by_row: dict[str, list[dict]], key: str) -> dict[int, float]:
+    """The baseline's value of ``key`` per seed, to pair every other row's runs with."""
+    return {x["seed"]: x.get(key, math.nan) for x in by_row.get(BASELINE, [])}
+
+
+def loss_cells(recs: list[dict], row: str, key: str, base: dict[int, float]) -> list[str]:
+    """Two table cells: the row's ``key`` loss (mean ± std over seeds) and its paired difference to ``base``."""
+    d = mean_std([x.get(key, math.nan) - base.get(x["seed"], math.nan) for x in recs])
+    diff = "–" if row == BASELINE or math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}"
+    return [fmt(*mean_std([x.get(key, math.nan) for x in recs])), diff]
+
+
 def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], lengths: list[int]) -> str:
     """Markdown: per target ACR, the families side by side, best paired difference to the baseline first, with what
     each run paid (its ACR averaged over steps) against the target."""
@@ -357,7 +369,6 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
         "Δ val loss vs baseline | Δ per seed |"
     )
     rule = "|---|---|---|---|---|---|---|---|"
-    bases = {n: {x["seed"]: x.get(f"seq{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])} for n in lengths}
     for n in lengths:
         head += f" val loss at {n} tokens | Δ at {n} tokens vs baseline |"
         rule += "---|---|"
@@ -381,11 +392,7 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
         ]
         for n in lengths:
             key = f"seq{n} val_loss"
-            dn = mean_std([x.get(key, math.nan) - bases[n].get(x["seed"], math.nan) for x in recs])
-            cells += [
-                fmt(*mean_std([x.get(key, math.nan) for x in recs])),
-                "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}",
-            ]
+            cells += loss_cells(recs, r, key, baseline_by_seed(by_row, key))
         entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
@@ -421,7 +428,6 @@ def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
     """Markdown: the loss at each longer length when every head that saw the whole trained context keeps the trained
     length as a sliding window (the baseline becomes a sliding window of T), next to the paired difference to the
     baseline evaluated the same way: extrapolation compared without the full heads' unseen distances."""
-    bases = {n: {x["seed"]: x.get(f"span{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])} for n in lengths}
     head, rule = "| target ACR | family | seeds |", "|---|---|---|"
     for n in lengths:
         head += f" val loss at {n} tokens, trained span | Δ vs baseline (trained span) |"
@@ -434,11 +440,7 @@ def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
         cells = [f"{target:g}", family, str(len(recs))]
         for n in lengths:
             key = f"span{n} val_loss"
-            dn = mean_std([x.get(key, math.nan) - bases[n].get(x["seed"], math.nan) for x in recs])
-            cells += [
-                fmt(*mean_std([x.get(key, math.nan) for x in recs])),
-                "–" if r == BASELINE or math.isnan(dn[0]) else f"{dn[0]:+.4f} ± {dn[1]:.4f}",
-            ]
+            cells += loss_cells(recs, r, key, baseline_by_seed(by_row, key))
         entries.append(((-target, family), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
@@ -448,10 +450,7 @@ def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float
     the loss itself, the paired difference to the baseline, and that difference at each --eval-seq-lens length."""
     plt = pyplot()
     panels = [("val_loss", None), ("val_loss", base)]
-    panels += [
-        (f"seq{n} val_loss", {x["seed"]: x.get(f"seq{n} val_loss", math.nan) for x in by_row.get(BASELINE, [])})
-        for n in lengths
-    ]
+    panels += [(f"seq{n} val_loss", baseline_by_seed(by_row, f"seq{n} val_loss")) for n in lengths]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
     families: dict[str, list[str]] = {}
     for _target, family, r in sorted(frontier_rows(by_row)):
