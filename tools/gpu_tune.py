@@ -500,6 +500,23 @@ def report(results: dict) -> str:
     return out
 
 
+def save(run: Run, args, device, command: str, out: str | None) -> None:
+    """Verdicts and run facts into the results, and the JSON to ``out``: after every stage, so that a run stopped
+    from outside keeps what it measured."""
+    run.results["targets"] = verdicts(run.results, args.seq_lens)
+    run.results.update(
+        command=command,
+        machine=bench.machine(device),
+        torch=torch.__version__,
+        date=datetime.datetime.now().isoformat(timespec="minutes"),
+        smoke=args.smoke,
+        seconds=time.perf_counter() - run.start,
+    )
+    if out:
+        with open(out, "w") as f:
+            json.dump(run.results, f, indent=1, default=str)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: exercise every code path quickly")
@@ -520,7 +537,11 @@ def main(argv=None) -> int:
         args.repeats, args.train_repeats, args.stage_estimate = 1, 1, 0.0
         dtype = torch.float32
     stages = set(args.stages.split(","))
+    # Every tuning candidate and shape is its own flex graph by design; past dynamo's default limit of 8 the rest
+    # would silently run flex eagerly (dense scores) and time that instead.
+    torch._dynamo.config.recompile_limit = 64
     run = Run(args.budget)
+    out = args.out or (os.path.join(os.environ["OUT"], "gpu_tune.json") if os.environ.get("OUT") else None)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     print(
         f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
@@ -530,24 +551,15 @@ def main(argv=None) -> int:
     for index, (T, B) in enumerate(shapes(args)):  # the first T's numbers first, then the longer T's
         if "attention" in stages:
             attention(run, args, device, dtype, T, B, first=index == 0)
+            save(run, args, device, command, out)
         if "e2e" in stages:
             end_to_end(run, args, device, dtype, T, B)
+            save(run, args, device, command, out)
     if "tuning" in stages and device.type == "cuda":
         tuning(run, args, device, dtype)
-    run.results["targets"] = verdicts(run.results, args.seq_lens)
-    run.results.update(
-        command=command,
-        machine=bench.machine(device),
-        torch=torch.__version__,
-        date=datetime.datetime.now().isoformat(timespec="minutes"),
-        smoke=args.smoke,
-        seconds=time.perf_counter() - run.start,
-    )
+    save(run, args, device, command, out)
     print(report(run.results), flush=True)
-    out = args.out or (os.path.join(os.environ["OUT"], "gpu_tune.json") if os.environ.get("OUT") else None)
     if out:
-        with open(out, "w") as f:
-            json.dump(run.results, f, indent=1, default=str)
         print(f"JSON: {out}")
     print(f"command: `{command}`, {time.perf_counter() - run.start:.0f} s")
     return 0
