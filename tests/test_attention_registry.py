@@ -162,5 +162,14 @@ def test_fa4_needs_hopper_and_the_package(monkeypatch):
     monkeypatch.setattr(flex.importlib, "import_module", lambda name: None)  # the package imports
     assert flex.fa4_missing(cuda) is None
     assert resolve_backend("flex_fa4", cuda, needs_grad=True, seq_len=4096) == "flex_fa4"
-    assert flex.tuned_options((9, 0), 64, torch.bfloat16) == flex.DEFAULT_TUNED_OPTIONS  # nothing pinned yet
+    assert flex.tuned_options((7, 5), 64, torch.bfloat16) == flex.DEFAULT_TUNED_OPTIONS  # nothing pinned there
     assert flex.tuned_options(None, 64, torch.float32) == {}  # CPU: no options
+
+
+def test_tuned_options_never_hold_the_options_our_masks_break():
+    """ROWS_GUARANTEED_SAFE made flex return NaN on an H200 (a window edge's partial tile, visited first, can hide
+    every key from some of its rows) and BLOCKS_ARE_CONTIGUOUS assumes adjacent tiles: neither may be pinned."""
+    from aah_lightning.model.attention import flex
+
+    for options in [flex.DEFAULT_TUNED_OPTIONS, *flex.TUNED_OPTIONS.values()]:
+        assert not {"ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"} & set(options)

@@ -37,13 +37,16 @@ import statistics
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from aah_lightning import benchmarking as bench
 from aah_lightning.aah import metrics
+from aah_lightning.lit import distributed
 from aah_lightning.model import masks
 from aah_lightning.model.attention import backend_names, get_backend
 from aah_lightning.model.attention.flex import FlexPlan, device_arch
@@ -55,19 +58,31 @@ from aah_lightning.reporting import sync
 # The plans measured: every registered backend but the dense-mask reference; one that cannot train here is reported
 # with its reason.
 PLANS = tuple(name for name in backend_names() if name not in ("auto", "sdpa"))
-# flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size). Never
-# BLOCKS_ARE_CONTIGUOUS: our visited tiles are not adjacent.
-SAFE = {"ROWS_GUARANTEED_SAFE": True}
+# flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size, int or (q, kv)). The
+# kernel's tiles must divide the mask's. Never ROWS_GUARANTEED_SAFE or BLOCKS_ARE_CONTIGUOUS: both break on our masks
+# (aah_lightning/model/attention/flex.py says why).
 CANDIDATES = {
     "flex, default options": ({}, 128),
-    "rows safe": (SAFE, 128),
-    "rows safe, fwd 128x64 tiles": ({**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64}, 128),
-    "rows safe, fwd 8 warps": ({**SAFE, "fwd_num_warps": 8}, 128),
-    "rows safe, bwd 64x64 tiles": (
-        {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
-        128,
+    "fwd 4 stages": ({"fwd_num_stages": 4}, 128),
+    "fwd 2 stages": ({"fwd_num_stages": 2}, 128),
+    "bwd 4 warps": ({"bwd_num_warps": 4}, 128),
+    "bwd 2 stages": ({"bwd_num_stages": 2}, 128),
+    "TMA loads": ({"USE_TMA": True}, 128),
+    "(128, 64) BlockMask": (
+        {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 128},
+        (128, 64),
     ),
-    "rows safe, 64-token BlockMask": (SAFE, 64),
+    "64-token BlockMask": (
+        {
+            "fwd_BLOCK_M": 64,
+            "fwd_BLOCK_N": 64,
+            "bwd_BLOCK_M1": 32,
+            "bwd_BLOCK_N1": 64,
+            "bwd_BLOCK_M2": 64,
+            "bwd_BLOCK_N2": 32,
+        },
+        64,
+    ),
 }
 # Targets per position in the sequence lengths (T = 4096, 16384); None: no target at that length.
 TARGETS = {"fwd+bwd": (0.60, 0.55), "fwd": (0.55, None), "e2e": (1.15, 1.4)}
@@ -128,8 +143,15 @@ def plan_for(name: str, row: torch.Tensor, seq_len: int, device):
     return backend.build(tuple(row.tolist()), seq_len, None, device=device, block_size=128), ""
 
 
-def candidate_plan(options: dict, block: int, row: torch.Tensor, seq_len: int, device) -> FlexPlan:
-    block_mask = masks.window_block_mask(row.to(device), seq_len, block)
+def candidate_plan(options: dict, block, row: torch.Tensor, seq_len: int, device) -> FlexPlan:
+    """A flex plan with these kernel options; a (q, kv) tile pair takes torch's own BlockMask builder (ours is
+    square), which is fine for one measurement."""
+    row_d = row.to(device)
+    if isinstance(block, tuple):
+        mask_mod = masks.window_mask_mod(row_d)
+        block_mask = create_block_mask(mask_mod, 1, row.numel(), seq_len, seq_len, device=device, BLOCK_SIZE=block)
+    else:
+        block_mask = masks.window_block_mask(row_d, seq_len, block)
     return FlexPlan(tuple(row.tolist()), seq_len, block_mask, options=options or None, arch=device_arch(device))
 
 
@@ -335,6 +357,38 @@ def tuning(run: Run, args, device, dtype) -> None:
         run.results["tuning"].append(entry)
 
 
+def autotuned(run: Run, args, device, dtype) -> None:
+    """flex compiled with mode="max-autotune-no-cudagraphs": inductor times its own tile configurations (its choices
+    are printed in the log as AUTOTUNE tables) - the candidate list's upper bound, at the first T."""
+    if not run.stage("max-autotune flex", 2 * args.stage_estimate):
+        return
+    T, B = shapes(args)[0]
+    row = bench.window_mix(T, args.heads)
+    qkv, dout = inputs(B, args.heads, T, args.head_dim, device, dtype)
+    want, sdpa_err = reference(*qkv, row, dout)
+    block_mask = masks.window_block_mask(row.to(device), T, 128)
+    attend = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+    name = "max-autotune (inductor's pick)"
+    try:
+        plan = lambda q, k, v: attend(q, k, v, block_mask=block_mask)  # noqa: E731
+        t0 = time.perf_counter()
+        pair = timed_pair(plan, qkv, dout)
+        pair[1]()
+        sync(device)
+        print(f"  max-autotune compile: {time.perf_counter() - t0:.0f} s", flush=True)
+        parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, 2e-2)
+    except Exception as err:
+        run.results["tuning"].append({"candidate": name, "error": run.error("max-autotune", err)})
+        return
+    fns = {"sdpa causal": timed_pair(CausalPlan(tuple([T] * args.heads), T), qkv, dout), name: pair}
+    timed = bench.timeit({f"{n}|{k}": f for n, p in fns.items() for k, f in zip(("fwd", "fwd+bwd"), p)}, device, 10)
+    entry = {"candidate": name, "options": "mode=max-autotune-no-cudagraphs", "block": 128, "T": T, "B": B}
+    for kind in ("fwd", "fwd+bwd"):
+        ms = statistics.median(timed[f"{name}|{kind}"])
+        entry[kind] = {"ms": ms, "ratio": ms / statistics.median(timed[f"sdpa causal|{kind}"])}
+    run.results["tuning"].append(entry)
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
     """The ~124M GPT of tools/bench.py's CUDA section; with ``smoke`` a tiny one."""
@@ -344,12 +398,20 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
     return GPT(GPTConfig(vocab_size=97, seq_len=seq_len, n_layer=2, n_head=4, n_embd=64, backend=backend)).to(device)
 
 
-def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
+def end_to_end(run: Run, args, device, dtype, T: int, B: int, compiled: bool = False) -> None:
+    """Training-step tokens/s, full causal against the AAH mix; ``compiled``: every block compiled as
+    ``model.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex only."""
     variants = {"full causal": (False, "auto")}
-    for name in ("flex", "split", "varlen") if device.type == "cuda" else ("banded", "split"):
+    if device.type == "cuda":
+        names = ("flex",) if compiled else ("flex", "split", "varlen")
+    else:
+        names = ("banded",) if compiled else ("banded", "split")
+    for name in names:
         if get_backend(name).available(device, needs_grad=True):
             variants[f"AAH, {name}"] = (True, name)
-    if not run.stage(f"end to end T={T} B={B}", args.stage_estimate * (len(variants) - 1) / 2):
+    suffix = ", compiled blocks" if compiled else ""
+    estimate = args.stage_estimate * (len(variants) - 1) / (1 if compiled else 2)
+    if not run.stage(f"end to end{suffix} T={T} B={B}", estimate):
         return
     steps, models = {}, {}
     for label, (aah, backend) in variants.items():
@@ -357,13 +419,22 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
             model = models[label] = gpt_model(device, T, backend, args.smoke)
             table = bench.aah_table(model.cfg.n_layer, model.cfg.n_head, T)
             model.set_windows(table if aah else torch.full_like(table, T))
+            if compiled:
+                distributed.prepare_model(
+                    SimpleNamespace(model=model), compile_blocks=True, activation_checkpointing=False
+                )
             tokens = torch.randint(model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
             step = bench.train_step(model, tokens.to(device), device, dtype)
             step()  # compiles
             steps[label] = step
         except Exception as err:
             run.results["end_to_end"].append(
-                {"T": T, "B": B, "variant": label, "error": run.error(f"end to end {label} T={T}", err)}
+                {
+                    "T": T,
+                    "B": B,
+                    "variant": label + suffix,
+                    "error": run.error(f"end to end {label}{suffix} T={T}", err),
+                }
             )
         sync(device)
     times = bench.timeit(steps, device, args.train_repeats, warmup=1)
@@ -377,7 +448,7 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int) -> None:
             {
                 "T": T,
                 "B": B,
-                "variant": label,
+                "variant": label + suffix,
                 "plans": kinds,
                 "step_ms": statistics.median(ts),
                 "tokens_per_s": tok_s,
@@ -522,7 +593,12 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: exercise every code path quickly")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/gpu_tune.json when $OUT is set)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; later stages are skipped past it")
-    p.add_argument("--stages", default="attention,e2e,tuning", help="comma-separated subset to run")
+    p.add_argument(
+        "--stages",
+        default=None,
+        help="comma-separated subset of attention,e2e,e2e_compiled,tuning (default: all; e2e_compiled runs on CPU "
+        "only when named here, tuning on CUDA only)",
+    )
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -536,7 +612,7 @@ def main(argv=None) -> int:
         args.seq_lens, args.batch, args.heads, args.head_dim = [128, 256], 2, 6, 16
         args.repeats, args.train_repeats, args.stage_estimate = 1, 1, 0.0
         dtype = torch.float32
-    stages = set(args.stages.split(","))
+    stages = set((args.stages or "attention,e2e,e2e_compiled,tuning").split(","))
     # Every tuning candidate and shape is its own flex graph by design; past dynamo's default limit of 8 the rest
     # would silently run flex eagerly (dense scores) and time that instead.
     torch._dynamo.config.recompile_limit = 64
@@ -555,8 +631,13 @@ def main(argv=None) -> int:
         if "e2e" in stages:
             end_to_end(run, args, device, dtype, T, B)
             save(run, args, device, command, out)
+        if "e2e_compiled" in stages and (device.type == "cuda" or args.stages):
+            end_to_end(run, args, device, dtype, T, B, compiled=True)
+            save(run, args, device, command, out)
     if "tuning" in stages and device.type == "cuda":
         tuning(run, args, device, dtype)
+        save(run, args, device, command, out)
+        autotuned(run, args, device, dtype)
     save(run, args, device, command, out)
     print(report(run.results), flush=True)
     if out:

@@ -209,7 +209,8 @@ def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tens
     # The chunk starting at query W + i*C reads keys [i*C, W + (i+1)*C): overlapping views of k and v, no copy. The
     # first key of each span is never visible (it is W keys back); it keeps every span aligned to the chunk grid.
     kc, vc = (x.reshape(B * h, T + pad, D).unfold(1, c + w, c).transpose(-1, -2) for x in (k, v))
-    body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).view(B, h, n * c, D)
+    # reshape, not view: SDPA's CUDA kernels may return these chunks in a layout a view cannot merge (fp32, H200)
+    body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).reshape(B, h, n * c, D)
     return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
 
 

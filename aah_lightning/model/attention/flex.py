@@ -42,11 +42,13 @@ def compiled_flex_attention():
 
 
 # kernel_options of ``flex_tuned`` per (compute capability, head_dim, dtype), pinned from tools/gpu_tune.py runs.
-# ROWS_GUARANTEED_SAFE is always right for us: every query row sees at least its own key (the diagonal), so the
-# kernel may skip its guard for fully masked rows. Never BLOCKS_ARE_CONTIGUOUS: it assumes a row's visited tiles are
-# adjacent, and ours are not (the window edge's partial tile and the diagonal's, with full tiles between).
-# No entry is pinned yet: no GPU measurement of these options exists (docs/benchmarks.md, GPU section).
-DEFAULT_TUNED_OPTIONS: dict = {"ROWS_GUARANTEED_SAFE": True}
+# Two options are wrong for our masks, whatever they gain:
+# * ROWS_GUARANTEED_SAFE drops the kernel's guard for a row whose running maximum is still -inf. Every row sees its
+#   diagonal, but the kernel visits a q tile's partial tiles in ascending order, and the window edge's tile can hold
+#   no visible key for some of its rows: exp(-inf - (-inf)) makes them NaN (measured on an H200, docs/benchmarks.md).
+# * BLOCKS_ARE_CONTIGUOUS assumes a row's visited tiles are adjacent; ours are not (edge and diagonal tiles, with
+#   full tiles between).
+DEFAULT_TUNED_OPTIONS: dict = {}
 TUNED_OPTIONS: dict[tuple[tuple[int, int], int, torch.dtype], dict] = {}
 FA4_OPTIONS: dict = {"BACKEND": "FLASH"}
 
