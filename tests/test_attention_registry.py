@@ -44,8 +44,8 @@ def test_every_backend_is_selectable_and_unknown_names_are_refused():
         ("cpu", False, 4096, "banded"),
         ("cpu", True, 255, "sdpa"),
         ("cpu", True, 256, "banded"),
-        ("cuda", True, 64, "flex"),
-        ("cuda", False, 16384, "flex"),
+        ("cuda", True, 64, "flex_tuned"),
+        ("cuda", False, 16384, "flex_tuned"),
     ],
 )
 def test_auto_follows_the_documented_rule(device, needs_grad, seq_len, expected):

@@ -72,7 +72,7 @@ def test_flex_training_on_cpu_is_refused_with_advice():
     assert resolve_backend("auto", torch.device("cpu"), needs_grad=True, seq_len=4096) == "banded"
     assert resolve_backend("auto", torch.device("cpu"), needs_grad=False, seq_len=4096) == "banded"
     assert resolve_backend("auto", torch.device("cpu"), needs_grad=True, seq_len=64) == "sdpa"
-    assert resolve_backend("auto", torch.device("cuda"), needs_grad=True, seq_len=64) == "flex"
+    assert resolve_backend("auto", torch.device("cuda"), needs_grad=True, seq_len=64) == "flex_tuned"
 
 
 def tiny_gpt(seq_len=64, **kw):

@@ -59,7 +59,8 @@ from aah_lightning.reporting import sync
 # with its reason.
 PLANS = tuple(name for name in backend_names() if name not in ("auto", "sdpa"))
 # flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size, int or (q, kv)). The
-# kernel's tiles must divide the mask's. Never ROWS_GUARANTEED_SAFE or BLOCKS_ARE_CONTIGUOUS: both break on our masks
+# kernel's tiles must divide the mask's; explicit tiles for 64-token and (128, 64) masks were rejected by torch 2.11's
+# lowering (NoValidChoicesError), so those masks are searched by max-autotune (AUTOTUNE_MASKS) instead. Never ROWS_GUARANTEED_SAFE or BLOCKS_ARE_CONTIGUOUS: both break on our masks
 # (aah_lightning/model/attention/flex.py says why).
 CANDIDATES = {
     "flex, default options": ({}, 128),
@@ -68,22 +69,8 @@ CANDIDATES = {
     "bwd 4 warps": ({"bwd_num_warps": 4}, 128),
     "bwd 2 stages": ({"bwd_num_stages": 2}, 128),
     "TMA loads": ({"USE_TMA": True}, 128),
-    "(128, 64) BlockMask": (
-        {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 128},
-        (128, 64),
-    ),
-    "64-token BlockMask": (
-        {
-            "fwd_BLOCK_M": 64,
-            "fwd_BLOCK_N": 64,
-            "bwd_BLOCK_M1": 32,
-            "bwd_BLOCK_N1": 64,
-            "bwd_BLOCK_M2": 64,
-            "bwd_BLOCK_N2": 32,
-        },
-        64,
-    ),
 }
+AUTOTUNE_MASKS = ((128, 64), 128)
 # Targets per position in the sequence lengths (T = 4096, 16384); None: no target at that length.
 TARGETS = {"fwd+bwd": (0.60, 0.55), "fwd": (0.55, None), "e2e": (1.15, 1.4)}
 
@@ -143,15 +130,19 @@ def plan_for(name: str, row: torch.Tensor, seq_len: int, device):
     return backend.build(tuple(row.tolist()), seq_len, None, device=device, block_size=128), ""
 
 
-def candidate_plan(options: dict, block, row: torch.Tensor, seq_len: int, device) -> FlexPlan:
-    """A flex plan with these kernel options; a (q, kv) tile pair takes torch's own BlockMask builder (ours is
-    square), which is fine for one measurement."""
+def candidate_mask(block, row: torch.Tensor, seq_len: int, device):
+    """The layer's BlockMask at tile size ``block``; a (q, kv) pair takes torch's own builder (ours is square),
+    which is fine for one measurement."""
     row_d = row.to(device)
     if isinstance(block, tuple):
         mask_mod = masks.window_mask_mod(row_d)
-        block_mask = create_block_mask(mask_mod, 1, row.numel(), seq_len, seq_len, device=device, BLOCK_SIZE=block)
-    else:
-        block_mask = masks.window_block_mask(row_d, seq_len, block)
+        return create_block_mask(mask_mod, 1, row.numel(), seq_len, seq_len, device=device, BLOCK_SIZE=block)
+    return masks.window_block_mask(row_d, seq_len, block)
+
+
+def candidate_plan(options: dict, block, row: torch.Tensor, seq_len: int, device) -> FlexPlan:
+    """A flex plan with these kernel options."""
+    block_mask = candidate_mask(block, row, seq_len, device)
     return FlexPlan(tuple(row.tolist()), seq_len, block_mask, options=options or None, arch=device_arch(device))
 
 
@@ -358,35 +349,43 @@ def tuning(run: Run, args, device, dtype) -> None:
 
 
 def autotuned(run: Run, args, device, dtype) -> None:
-    """flex compiled with mode="max-autotune-no-cudagraphs": inductor times its own tile configurations (its choices
-    are printed in the log as AUTOTUNE tables) - the candidate list's upper bound, at the first T."""
-    if not run.stage("max-autotune flex", 2 * args.stage_estimate):
-        return
+    """flex compiled with mode="max-autotune-no-cudagraphs" for each BlockMask tile size in ``AUTOTUNE_MASKS``:
+    inductor times its own kernel configurations (printed in the log as AUTOTUNE tables; the winners are what
+    TUNED_OPTIONS pins), timed beside SDPA causal and the pinned ``flex_tuned`` plan at the first T."""
     T, B = shapes(args)[0]
     row = bench.window_mix(T, args.heads)
     qkv, dout = inputs(B, args.heads, T, args.head_dim, device, dtype)
     want, sdpa_err = reference(*qkv, row, dout)
-    block_mask = masks.window_block_mask(row.to(device), T, 128)
     attend = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
-    name = "max-autotune (inductor's pick)"
-    try:
-        plan = lambda q, k, v: attend(q, k, v, block_mask=block_mask)  # noqa: E731
-        t0 = time.perf_counter()
-        pair = timed_pair(plan, qkv, dout)
-        pair[1]()
-        sync(device)
-        print(f"  max-autotune compile: {time.perf_counter() - t0:.0f} s", flush=True)
-        parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, 2e-2)
-    except Exception as err:
-        run.results["tuning"].append({"candidate": name, "error": run.error("max-autotune", err)})
+    fns = {"sdpa causal": timed_pair(CausalPlan(tuple([T] * args.heads), T), qkv, dout)}
+    pinned, _ = plan_for("flex_tuned", row, T, device)
+    if pinned is not None:
+        fns["flex_tuned (pinned options)"] = timed_pair(pinned, qkv, dout)
+    for block in AUTOTUNE_MASKS:
+        name = f"max-autotune, {block} BlockMask"
+        if not run.stage(name, args.stage_estimate * 0.85):
+            break
+        try:
+            block_mask = candidate_mask(block, row, T, device)
+            plan = lambda q, k, v, bm=block_mask: attend(q, k, v, block_mask=bm)  # noqa: E731
+            t0 = time.perf_counter()
+            pair = timed_pair(plan, qkv, dout)
+            pair[1]()
+            sync(device)
+            print(f"  {name}: compile and autotune {time.perf_counter() - t0:.0f} s", flush=True)
+            parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, 2e-2)
+            fns[name] = pair
+        except Exception as err:
+            run.results["tuning"].append({"candidate": name, "error": run.error(name, err)})
+    if len(fns) == 1:
         return
-    fns = {"sdpa causal": timed_pair(CausalPlan(tuple([T] * args.heads), T), qkv, dout), name: pair}
     timed = bench.timeit({f"{n}|{k}": f for n, p in fns.items() for k, f in zip(("fwd", "fwd+bwd"), p)}, device, 10)
-    entry = {"candidate": name, "options": "mode=max-autotune-no-cudagraphs", "block": 128, "T": T, "B": B}
-    for kind in ("fwd", "fwd+bwd"):
-        ms = statistics.median(timed[f"{name}|{kind}"])
-        entry[kind] = {"ms": ms, "ratio": ms / statistics.median(timed[f"sdpa causal|{kind}"])}
-    run.results["tuning"].append(entry)
+    for name in list(fns)[1:]:
+        entry = {"candidate": name, "options": "mode=max-autotune-no-cudagraphs", "T": T, "B": B}
+        for kind in ("fwd", "fwd+bwd"):
+            ms = statistics.median(timed[f"{name}|{kind}"])
+            entry[kind] = {"ms": ms, "ratio": ms / statistics.median(timed[f"sdpa causal|{kind}"])}
+        run.results["tuning"].append(entry)
 
 
 # -- end to end --------------------------------------------------------------------------------------------------
@@ -403,14 +402,14 @@ def end_to_end(run: Run, args, device, dtype, T: int, B: int, compiled: bool = F
     ``model.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex only."""
     variants = {"full causal": (False, "auto")}
     if device.type == "cuda":
-        names = ("flex",) if compiled else ("flex", "split", "varlen")
+        names = ("flex", "flex_tuned") if compiled else ("flex", "split", "varlen")
     else:
         names = ("banded",) if compiled else ("banded", "split")
     for name in names:
         if get_backend(name).available(device, needs_grad=True):
             variants[f"AAH, {name}"] = (True, name)
     suffix = ", compiled blocks" if compiled else ""
-    estimate = args.stage_estimate * (len(variants) - 1) / (1 if compiled else 2)
+    estimate = args.stage_estimate * (len(variants) - 1) / 2
     if not run.stage(f"end to end{suffix} T={T} B={B}", estimate):
         return
     steps, models = {}, {}
@@ -596,8 +595,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--stages",
         default=None,
-        help="comma-separated subset of attention,e2e,e2e_compiled,tuning (default: all; e2e_compiled runs on CPU "
-        "only when named here, tuning on CUDA only)",
+        help="comma-separated subset of attention,e2e,e2e_compiled,tuning,autotune (default: all; e2e_compiled runs "
+        "on CPU only when named here, tuning and autotune on CUDA only)",
     )
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -612,7 +611,7 @@ def main(argv=None) -> int:
         args.seq_lens, args.batch, args.heads, args.head_dim = [128, 256], 2, 6, 16
         args.repeats, args.train_repeats, args.stage_estimate = 1, 1, 0.0
         dtype = torch.float32
-    stages = set((args.stages or "attention,e2e,e2e_compiled,tuning").split(","))
+    stages = set((args.stages or "attention,e2e,e2e_compiled,tuning,autotune").split(","))
     # Every tuning candidate and shape is its own flex graph by design; past dynamo's default limit of 8 the rest
     # would silently run flex eagerly (dense scores) and time that instead.
     torch._dynamo.config.recompile_limit = 64
@@ -637,6 +636,7 @@ def main(argv=None) -> int:
     if "tuning" in stages and device.type == "cuda":
         tuning(run, args, device, dtype)
         save(run, args, device, command, out)
+    if "autotune" in stages and device.type == "cuda":
         autotuned(run, args, device, dtype)
     save(run, args, device, command, out)
     print(report(run.results), flush=True)

@@ -49,7 +49,18 @@ def compiled_flex_attention():
 # * BLOCKS_ARE_CONTIGUOUS assumes a row's visited tiles are adjacent; ours are not (edge and diagonal tiles, with
 #   full tiles between).
 DEFAULT_TUNED_OPTIONS: dict = {}
-TUNED_OPTIONS: dict[tuple[tuple[int, int], int, torch.dtype], dict] = {}
+TUNED_OPTIONS: dict[tuple[tuple[int, int], int, torch.dtype], dict] = {
+    # H200 (sm90), D=64, bf16: max-autotune's backward winner for the paper mix at T=4096 (torch 2.11); the forward
+    # winner was the default (128 x 128 tiles, 3 stages, 4 warps). docs/benchmarks.md, GPU section.
+    ((9, 0), 64, torch.bfloat16): {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 4,
+        "bwd_num_warps": 4,
+    },
+}
 FA4_OPTIONS: dict = {"BACKEND": "FLASH"}
 
 

@@ -123,7 +123,7 @@ def backend_names() -> tuple[str, ...]:
 # amortise banded's extra kernel calls). CUDA: flex, the only CUDA plan measured so far; the split and varlen plans
 # keep their full-window heads on the fused causal kernel and may beat it, which tools/gpu_tune.py decides on a GPU.
 AUTO_RULES: dict[str, tuple[tuple[str, int], ...]] = {
-    "cuda": (("flex", 0),),
+    "cuda": (("flex_tuned", 0),),
     "cpu": (("banded", 256), ("sdpa", 0)),
 }
 
