@@ -7,8 +7,9 @@
 
 Needs only torch (and triton on CUDA) and the aah package: no datasets, no jsonargparse. Run from the repository root.
 
-Stages, in the order they run: attention (with parity and recompiles) and end to end at T=4096, the same at T=16384,
-then tuning. Each is skipped, and says so, once less than its estimated time is left of --budget:
+Stages (--stages), in the order they run: attention (with parity and recompiles), e2e and e2e_compiled at T=4096,
+the same at T=16384, then tuning and autotune. Each is skipped, and says so, once less than its estimated time is
+left of --budget:
   parity      every plan against a float64 dense reference at the first T: output and dq, dk, dv of batch element 0,
               passing when within 2x the error of SDPA with the same dense mask and dtype (or a small floor) - the
               rule tools/gpu_check.py uses.
@@ -20,9 +21,11 @@ then tuning. Each is skipped, and says so, once less than its estimated time is 
               new graphs) and with a different number of windowed heads (the split plans' group sizes change).
   end to end  training-step tokens/s (forward, backward, AdamW, bf16 autocast) of the ~124M GPT (12 layers, d=768,
               12 heads) at T=4096 (B=8) and T=16384 (B=2): full causal against the paper's mix (ACR ~0.3) under
-              each CUDA plan.
-  tuning      flex kernel_options candidates at the first T (ROWS_GUARANTEED_SAFE, tile sizes, warps, 64-token
-              BlockMask); the winner is what to pin in aah_lightning/model/attention/flex.py (TUNED_OPTIONS).
+              each CUDA plan (blocks eager); e2e_compiled: the same with every block compiled, flex and flex_tuned.
+  tuning      flex kernel_options candidates at the first T (stages, warps, TMA).
+  autotune    flex under mode="max-autotune-no-cudagraphs" per BlockMask tile size, beside the pinned flex_tuned:
+              inductor prints the configurations it timed; the winner is what to pin in
+              aah_lightning/model/attention/flex.py (TUNED_OPTIONS).
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ from aah_lightning.reporting import sync
 PLANS = tuple(name for name in backend_names() if name not in ("auto", "sdpa"))
 # flex kernel_options candidates (tuning stage): name -> (kernel_options, BlockMask tile size, int or (q, kv)). The
 # kernel's tiles must divide the mask's; explicit tiles for 64-token and (128, 64) masks were rejected by torch 2.11's
-# lowering (NoValidChoicesError), so those masks are searched by max-autotune (AUTOTUNE_MASKS) instead. Never ROWS_GUARANTEED_SAFE or BLOCKS_ARE_CONTIGUOUS: both break on our masks
-# (aah_lightning/model/attention/flex.py says why).
+# lowering (NoValidChoicesError), so those masks are searched by max-autotune (AUTOTUNE_MASKS) instead. Never
+# ROWS_GUARANTEED_SAFE or BLOCKS_ARE_CONTIGUOUS: both break on our masks (model/attention/flex.py says why).
 CANDIDATES = {
     "flex, default options": ({}, 128),
     "fwd 4 stages": ({"fwd_num_stages": 4}, 128),
