@@ -186,6 +186,11 @@ def reference(q, k, v, row, dout):
     return want, {key: (sdpa[key].double() - want[key]).abs().max().item() for key in want}
 
 
+def parity_floor(dtype: torch.dtype) -> float:
+    """The error below which parity passes whatever SDPA's own error is."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
 def parity(run: Run, name: str, plan, qkv, dout, want, sdpa_err, floor: float) -> None:
     q, k, v = (x.detach().clone().requires_grad_() for x in qkv)
     out = plan(q, k, v)
@@ -223,7 +228,7 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
             plans[name] = plan
     if first:
         want, sdpa_err = reference(*qkv, row, dout)
-        floor = 1e-4 if dtype == torch.float32 else 2e-2
+        floor = parity_floor(dtype)
     fns, compile_s = {}, {}
     for name, plan in plans.items():
         try:
@@ -321,7 +326,7 @@ def tuning(run: Run, args, device, dtype) -> None:
     row = bench.window_mix(T, H)
     qkv, dout = inputs(B, H, T, D, device, dtype)
     want, sdpa_err = reference(*qkv, row, dout)
-    floor = 1e-4 if dtype == torch.float32 else 2e-2
+    floor = parity_floor(dtype)
     fns = {"sdpa causal": timed_pair(CausalPlan(tuple([T] * H), T), qkv, dout)}
     for name, (options, block) in CANDIDATES.items():
         if not run.stage(f"tuning candidate '{name}'", args.stage_estimate / 2):
@@ -336,19 +341,25 @@ def tuning(run: Run, args, device, dtype) -> None:
             run.results["tuning"].append(
                 {"candidate": name, "options": options, "block": block, "error": run.error(f"tuning {name}", err)}
             )
-    timed = bench.timeit(
-        {f"{n}|{kind}": f for n, pair in fns.items() for kind, f in zip(("fwd", "fwd+bwd"), pair)}, device, args.repeats
-    )
-    base = {kind: statistics.median(timed[f"sdpa causal|{kind}"]) for kind in ("fwd", "fwd+bwd")}
-    for name in fns:
-        if name == "sdpa causal":
-            continue
+    for name, ratios in against_sdpa_causal(fns, device, args.repeats).items():
         options, block = CANDIDATES[name]
-        entry = {"candidate": name, "options": options, "block": block, "T": T, "B": B}
-        for kind in ("fwd", "fwd+bwd"):
-            ms = statistics.median(timed[f"{name}|{kind}"])
-            entry[kind] = {"ms": ms, "ratio": ms / base[kind]}
-        run.results["tuning"].append(entry)
+        run.results["tuning"].append({"candidate": name, "options": options, "block": block, "T": T, "B": B, **ratios})
+
+
+def against_sdpa_causal(fns: dict, device, repeats: int) -> dict[str, dict]:
+    """Time the (forward, forward+backward) pairs in ``fns`` interleaved; per name but "sdpa causal" (which ``fns``
+    must hold), ``{"fwd": {"ms", "ratio"}, "fwd+bwd": {...}}`` with ratios to SDPA causal."""
+    timed = bench.timeit(
+        {f"{n}|{kind}": f for n, pair in fns.items() for kind, f in zip(("fwd", "fwd+bwd"), pair)}, device, repeats
+    )
+    out = {}
+    for name in fns:
+        if name != "sdpa causal":
+            out[name] = {}
+            for kind in ("fwd", "fwd+bwd"):
+                ms = statistics.median(timed[f"{name}|{kind}"])
+                out[name][kind] = {"ms": ms, "ratio": ms / statistics.median(timed[f"sdpa causal|{kind}"])}
+    return out
 
 
 def autotuned(run: Run, args, device, dtype) -> None:
@@ -376,19 +387,15 @@ def autotuned(run: Run, args, device, dtype) -> None:
             pair[1]()
             sync(device)
             print(f"  {name}: compile and autotune {time.perf_counter() - t0:.0f} s", flush=True)
-            parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, 2e-2)
+            parity(run, f"tuning: {name}", plan, qkv, dout, want, sdpa_err, parity_floor(dtype))
             fns[name] = pair
         except Exception as err:
             run.results["tuning"].append({"candidate": name, "error": run.error(name, err)})
     if len(fns) == 1:
         return
-    timed = bench.timeit({f"{n}|{k}": f for n, p in fns.items() for k, f in zip(("fwd", "fwd+bwd"), p)}, device, 10)
-    for name in list(fns)[1:]:
-        entry = {"candidate": name, "options": "mode=max-autotune-no-cudagraphs", "T": T, "B": B}
-        for kind in ("fwd", "fwd+bwd"):
-            ms = statistics.median(timed[f"{name}|{kind}"])
-            entry[kind] = {"ms": ms, "ratio": ms / statistics.median(timed[f"sdpa causal|{kind}"])}
-        run.results["tuning"].append(entry)
+    for name, ratios in against_sdpa_causal(fns, device, args.repeats).items():
+        options = "mode=max-autotune-no-cudagraphs" if name.startswith("max-autotune") else "pinned TUNED_OPTIONS"
+        run.results["tuning"].append({"candidate": name, "options": options, "T": T, "B": B, **ratios})
 
 
 # -- end to end --------------------------------------------------------------------------------------------------
@@ -402,7 +409,7 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
 
 def end_to_end(run: Run, args, device, dtype, T: int, B: int, compiled: bool = False) -> None:
     """Training-step tokens/s, full causal against the AAH mix; ``compiled``: every block compiled as
-    ``model.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex only."""
+    ``model.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex plans only."""
     variants = {"full causal": (False, "auto")}
     if device.type == "cuda":
         names = ("flex", "flex_tuned") if compiled else ("flex", "split", "varlen")
