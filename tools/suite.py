@@ -354,11 +354,17 @@ def baseline_by_seed(by_row: dict[str, list[dict]], key: str) -> dict[int, float
     return {x["seed"]: x.get(key, math.nan) for x in by_row.get(BASELINE, [])}
 
 
-def loss_cells(recs: list[dict], row: str, key: str, base: dict[int, float]) -> list[str]:
-    """Two table cells: the row's ``key`` loss (mean ± std over seeds) and its paired difference to ``base``."""
-    d = mean_std([x.get(key, math.nan) - base.get(x["seed"], math.nan) for x in recs])
-    diff = "–" if row == BASELINE or math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}"
-    return [fmt(*mean_std([x.get(key, math.nan) for x in recs])), diff]
+def loss_cells(by_row: dict[str, list[dict]], row: str, prefix: str, lengths: list[int]) -> list[str]:
+    """Two table cells per length n: the row's ``{prefix}{n} val_loss`` (mean ± std over seeds) and its difference to
+    the baseline's, paired by seed."""
+    cells = []
+    for n in lengths:
+        key = f"{prefix}{n} val_loss"
+        base = baseline_by_seed(by_row, key)
+        d = mean_std([x.get(key, math.nan) - base.get(x["seed"], math.nan) for x in by_row[row]])
+        diff = "–" if row == BASELINE or math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}"
+        cells += [fmt(*mean_std([x.get(key, math.nan) for x in by_row[row]])), diff]
+    return cells
 
 
 def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], lengths: list[int]) -> str:
@@ -390,9 +396,7 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
             "–" if math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}",
             " / ".join(f"{v:+.3f}" for v in diffs) or "–",
         ]
-        for n in lengths:
-            key = f"seq{n} val_loss"
-            cells += loss_cells(recs, r, key, baseline_by_seed(by_row, key))
+        cells += loss_cells(by_row, r, "seq", lengths)
         entries.append(((-target, d[0] if not math.isnan(d[0]) else 0.0), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
@@ -437,10 +441,7 @@ def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
         recs = by_row[r]
         if not recs:
             continue
-        cells = [f"{target:g}", family, str(len(recs))]
-        for n in lengths:
-            key = f"span{n} val_loss"
-            cells += loss_cells(recs, r, key, baseline_by_seed(by_row, key))
+        cells = [f"{target:g}", family, str(len(recs)), *loss_cells(by_row, r, "span", lengths)]
         entries.append(((-target, family), "| " + " | ".join(cells) + " |"))
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
