@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.policy_base import make_policy
-from aah_lightning.aah.probe import ProbeResult
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.policy_base import make_policy
+from aah_lightning.windows.probe import ProbeResult
 
 
 def local_head(seq_len: int, reach: int) -> torch.Tensor:

@@ -9,10 +9,10 @@ import sys
 import lightning as L
 import torch
 
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
 
 
 class Record(L.Callback):

@@ -135,7 +135,7 @@ def test_blockmask_tiles_match_the_analytic_count():
 
 
 def test_default_candidates_are_t_over_8_4_2_and_t_like_the_policies_use():
-    from aah_lightning.aah.config import AAHConfig
+    from aah_lightning.windows.config import AAHConfig
 
     assert window_math.default_candidates(4096) == [512, 1024, 2048, 4096]
     assert window_math.default_candidates(4) == [1, 2, 4]  # no repeats, never 0

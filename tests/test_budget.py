@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from _controller_inputs import adaptive, random_profiles, synthetic_features
-from aah_lightning.aah import metrics
-from aah_lightning.aah.config import ControllerConfig
-from aah_lightning.aah.controller import budget
-from aah_lightning.aah.controller.allocators import (
+from aah_lightning.errors import ConfigError
+from aah_lightning.windows import metrics
+from aah_lightning.windows.config import ControllerConfig
+from aah_lightning.windows.controller import budget
+from aah_lightning.windows.controller.allocators import (
     LayerInputs,
     needed_index,
     window_costs,
 )
-from aah_lightning.aah.controller.hierarchy import Hierarchy
-from aah_lightning.errors import ConfigError
+from aah_lightning.windows.controller.hierarchy import Hierarchy
 
 
 def random_hierarchy(n_head: int, g: torch.Generator) -> Hierarchy:
@@ -246,8 +246,8 @@ def test_integer_costs_are_the_measures_numerators():
 
 
 def test_random_windows_with_a_table_draw_its_exact_histogram():
-    from aah_lightning.aah.config import AAHConfig
-    from aah_lightning.aah.policy_base import make_policy
+    from aah_lightning.windows.config import AAHConfig
+    from aah_lightning.windows.policy_base import make_policy
 
     table = [[8, 8, 16, 32], [4, 4, 8, 16]]
     policy = make_policy(AAHConfig(policy="random", table=table, redraw_interval=1, seed=3), 2, 4, 32)

@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from _cli_helpers import PYTHON, cli_error, subprocess_env, tiny_config, train_tiny
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policy_base import available_policies
 from aah_lightning.cli import AAHCLI, main
 from aah_lightning.errors import CheckpointWriteError
 from aah_lightning.lit import checkpointing
@@ -23,6 +21,8 @@ from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, 
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.validation import resolve_ckpt_path
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import available_policies
 
 STALLING_WRITER = textwrap.dedent(
     """

@@ -11,11 +11,11 @@ from _controller_inputs import (
     random_profiles,
     synthetic_features,
 )
-from aah_lightning.aah import metrics
-from aah_lightning.aah.controller.allocators import LayerInputs, choose_siblings, reach_allocator, window_costs
-from aah_lightning.aah.controller.features import FeatureLayout, probe_features
-from aah_lightning.aah.controller.hierarchy import Hierarchy
-from aah_lightning.aah.probe import mass_within
+from aah_lightning.windows import metrics
+from aah_lightning.windows.controller.allocators import LayerInputs, choose_siblings, reach_allocator, window_costs
+from aah_lightning.windows.controller.features import FeatureLayout, probe_features
+from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.probe import mass_within
 
 T = 64
 CANDS = [4, 8, 16, 32, 64]

@@ -3,8 +3,8 @@
 import torch
 import yaml
 
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.cli import main
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
 
 CONFIG = "configs/aah/adaptive.yaml"
 

@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from aah_lightning.aah.controller.grouping import (
+from aah_lightning.windows.controller.grouping import (
     agglomerate,
     canonical,
     cluster_heads,
@@ -12,7 +12,7 @@ from aah_lightning.aah.controller.grouping import (
     partition_score,
     random_partition,
 )
-from aah_lightning.aah.controller.hierarchy import build_hierarchy
+from aah_lightning.windows.controller.hierarchy import build_hierarchy
 
 
 def line(*xs) -> torch.Tensor:

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from _controller_inputs import adaptive, one_thread, synthetic_features  # noqa: F401  (one_thread: fixture)
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.controller.adaptive import AdaptivePolicy
-from aah_lightning.aah.policy_base import POLICIES, make_policy
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.controller.adaptive import AdaptivePolicy
+from aah_lightning.windows.policy_base import POLICIES, make_policy
 
 T = 64
 CANDS = [4, 8, 16, 32, 64]
@@ -257,7 +257,7 @@ def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping, one
 
 
 def test_diagnostics_read_the_decision_from_the_policy_and_from_its_checkpointed_state():
-    from aah_lightning.aah import diagnostics
+    from aah_lightning.windows import metrics as diagnostics
 
     policy = feed_policy(n_layer=2, depth=2, threshold=0.5)
     assert policy.report().trees is None and policy.report().last_step is None  # before the first decision

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from _controller_inputs import one_thread  # noqa: F401  (fixture)
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
 
 T = 64
 STEPS, STOP = 14, 7

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from _controller_inputs import one_thread  # noqa: F401  (fixture)
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.probe import run_probe
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.probe import run_probe
 
 T = 32
 COPY = T // 2 - 1  # query-key distance of the token to copy

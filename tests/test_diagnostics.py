@@ -9,14 +9,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 
-from aah_lightning.aah import diagnostics as diag
-from aah_lightning.aah import plots
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.controller.adaptive import AdaptivePolicy
-from aah_lightning.aah.controller.hierarchy import GroupTree
-from aah_lightning.aah.policies import StaticPolicy
-from aah_lightning.aah.policy_base import PolicyReport
-from aah_lightning.aah.probe import ProbeResult, full_causal_probs, mass_within, run_probe
 from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
@@ -26,6 +18,13 @@ from aah_lightning.model.attention.flex import FlexPlan
 from aah_lightning.model.attention.sdpa import CausalPlan, DensePlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.windows import metrics, plots
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.controller.adaptive import AdaptivePolicy
+from aah_lightning.windows.controller.hierarchy import GroupTree
+from aah_lightning.windows.policies import StaticPolicy
+from aah_lightning.windows.policy_base import PolicyReport
+from aah_lightning.windows.probe import ProbeResult, full_causal_probs, mass_within, run_probe
 from tb import read_events
 
 # T=32 with tiles of 8 (4 q-tiles, 10 causal tiles per head). Windows outside the default candidates (4, 8, 16, 32)
@@ -123,11 +122,11 @@ def test_static_table_scalars_equal_hand_counts(tmp_path, tiny_args):
 def test_block_density_counts_the_blockmask_of_flex_plans():
     table = torch.tensor(STATIC)
     plans = [FlexPlan(tuple(row.tolist()), T, masks.window_block_mask(row.to(torch.int32), T, TILE)) for row in table]
-    density, sources = diag.plan_block_density(plans, table, T, TILE)
+    density, sources = metrics.plan_block_density(plans, table, T, TILE)
     assert sources == ["blockmask", "blockmask"]
     assert density == pytest.approx([sum(TILES[0]) / 40, sum(TILES[1]) / 40])
     # dense / causal plans have no BlockMask: the analytic count of the same row gives the same numbers
-    density, sources = diag.plan_block_density(
+    density, sources = metrics.plan_block_density(
         [DensePlan(tuple(table[0].tolist()), T, None), CausalPlan(tuple(table[1].tolist()), T)], table, T, TILE
     )
     assert sources == ["analytic", "analytic"]
@@ -216,12 +215,12 @@ TREES = [GroupTree(levels, windows) for levels, windows in zip(HIERARCHY, GROUP_
 
 
 def test_group_stats_and_hierarchy_text():
-    levels, counts = diag.group_stats(TREES)
+    levels, counts = metrics.group_stats(TREES)
     assert levels == [3, 1] and counts == [[3, 2, 1], [1]]
     assert [TREES[0].group_of(h) for h in range(4)] == [0, 0, 1, 2]
     # layer 1 has no level 1 or 2: nothing merged further, so its single group counts there
-    assert diag.mean_group_counts(counts) == [2.0, 1.5, 1.0]
-    text = diag.hierarchy_text(torch.tensor(GROUPED_TABLE), TREES, 7)
+    assert metrics.mean_group_counts(counts) == [2.0, 1.5, 1.0]
+    text = metrics.hierarchy_text(torch.tensor(GROUPED_TABLE), TREES, 7)
     assert text.splitlines() == [
         "decision at step 7",
         "layer 0: 3 level(s), groups per level [3, 2, 1]",
@@ -236,7 +235,8 @@ def test_group_stats_and_hierarchy_text():
     ]
     # a policy without groups: each layer's heads and windows
     assert (
-        diag.hierarchy_text(torch.tensor(GROUPED_TABLE), None).splitlines()[1] == "layer 1: h0=32  h1=32  h2=32  h3=32"
+        metrics.hierarchy_text(torch.tensor(GROUPED_TABLE), None).splitlines()[1]
+        == "layer 1: h0=32  h1=32  h2=32  h3=32"
     )
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from aah_lightning.aah.config import AAHConfig
 from aah_lightning.lit import flops
 from aah_lightning.lit.callbacks import Throughput, compute_dtype, default_peak_flops
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import masks
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.windows.config import AAHConfig
 
 
 def test_training_flops_of_a_tiny_model_by_hand():

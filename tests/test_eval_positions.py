@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aah_lightning.aah.config import AAHConfig
 from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.evaluation import PositionLoss, bucket_of, widen_full_windows
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.windows.config import AAHConfig
 from reference import reference_attention
 from tb import read_events
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from aah_lightning.aah import metrics, plots
 from aah_lightning.cli import main as aah
 from aah_lightning.model import masks
+from aah_lightning.windows import metrics, plots
 from tools import inspect_windows
 
 ROOT = Path(__file__).resolve().parents[1]

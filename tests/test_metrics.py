@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from aah_lightning.aah import metrics
+from aah_lightning.windows import metrics
 
 
 def table_with_fractions(fractions, windows, n=192):

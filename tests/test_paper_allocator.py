@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 
 from _controller_inputs import one_thread, random_profiles, synthetic_features  # noqa: F401  (one_thread: fixture)
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.controller.allocators import LayerInputs
-from aah_lightning.aah.controller.hierarchy import Hierarchy
-from aah_lightning.aah.controller.paper_allocator import PaperAllocator
-from aah_lightning.aah.controller.registry import ALLOCATORS, make_allocator
-from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.cli import main
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.controller.allocators import LayerInputs
+from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.controller.paper_allocator import PaperAllocator
+from aah_lightning.windows.controller.registry import ALLOCATORS, make_allocator
+from aah_lightning.windows.policy_base import make_policy
 
 CANDS = [8, 16, 32, 64]
 T = 64

@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from _controller_inputs import random_profiles, synthetic_features
-from aah_lightning.aah.shuffle import ShufflePolicy
 from aah_lightning.cli import AAHCLI
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.windows.shuffle import ShufflePolicy
 
 FOLDERS = ("configs/cpu", "configs/paper")
 REQUIRED = {

@@ -5,9 +5,9 @@ import io
 import torch
 
 from _controller_inputs import synthetic_features
-from aah_lightning.aah.config import AAHConfig, ControllerConfig
-from aah_lightning.aah.policy_base import POLICIES, make_policy
-from aah_lightning.aah.shuffle import ShufflePolicy
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.policy_base import POLICIES, make_policy
+from aah_lightning.windows.shuffle import ShufflePolicy
 
 T = 64
 CANDS = [4, 8, 16, 32, 64]

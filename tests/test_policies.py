@@ -4,10 +4,10 @@ import pytest
 import torch
 import yaml
 
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import make_policy
 
 
 def test_full_fixed_static_tables():

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from _cli_helpers import cli_error
-from aah_lightning.aah.policy_base import POLICIES
 from aah_lightning.cli import main
+from aah_lightning.windows.policy_base import POLICIES
 
 PLUGIN = '''
 """Even layers see the whole context; odd layers the ``window`` setting, halved at every redraw_interval."""
 
 import torch
 
-from aah_lightning.aah.policy_base import WindowPolicy, register
+from aah_lightning.windows.policy_base import WindowPolicy, register
 from aah_lightning.errors import require
 
 

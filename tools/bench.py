@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from aah_lightning import benchmarking
-from aah_lightning.aah import metrics
 from aah_lightning.benchmarking import (
     PAPER_MIX,
     SUMMARY,
@@ -53,6 +52,7 @@ from aah_lightning.model.attention.flex import FlexPlan, compiled_flex_attention
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.window_math import default_candidates
 from aah_lightning.reporting import md_table, sync
+from aah_lightning.windows import metrics
 
 # -- helpers ------------------------------------------------------------------------------------------------------------
 
@@ -247,9 +247,9 @@ def section_b(args, device, dtype) -> tuple[str, float]:
 def section_c(args, device, dtype, step_ms: float | None) -> str:
     title = "(c) controller overhead, control_interval 50"
     try:
-        import aah_lightning.aah.controller  # noqa: F401
-        from aah_lightning.aah.config import AAHConfig
-        from aah_lightning.aah.policy_base import available_policies, make_policy
+        import aah_lightning.windows.controller  # noqa: F401
+        from aah_lightning.windows.config import AAHConfig
+        from aah_lightning.windows.policy_base import available_policies, make_policy
     except ImportError:
         return f"### {title}\n\nn/a (controller not available)\n"
     if "adaptive" not in available_policies():

@@ -23,7 +23,6 @@ import sys
 
 import torch
 
-from aah_lightning.aah import metrics
 from aah_lightning.benchmarking import (
     SUMMARY,
     aah_table,
@@ -38,6 +37,7 @@ from aah_lightning.benchmarking import (
 )
 from aah_lightning.model import generate as gen
 from aah_lightning.reporting import md_table
+from aah_lightning.windows import metrics
 
 
 def variant_models(seq_len: int) -> dict:

@@ -189,9 +189,9 @@ def compiled_training(args, activation_checkpointing: bool, warmup: int, steps: 
     """One Lightning fit; on CPU (dry run) with the sdpa backend, since CPU flex cannot train."""
     import lightning as L
 
-    from aah_lightning.aah.config import AAHConfig
     from aah_lightning.lit.datamodule import TextDataModule
     from aah_lightning.lit.module import AAHModule, OptimConfig
+    from aah_lightning.windows.config import AAHConfig
 
     T, B = args.seq_len, args.batch_size
     cuda = args.device == "cuda"

@@ -48,7 +48,6 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from aah_lightning import benchmarking as bench
-from aah_lightning.aah import metrics
 from aah_lightning.lit import distributed
 from aah_lightning.model import masks
 from aah_lightning.model.attention import backend_names, get_backend
@@ -57,6 +56,7 @@ from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from aah_lightning.reporting import sync
+from aah_lightning.windows import metrics
 
 # The plans measured: every registered backend but the dense-mask reference; one that cannot train here is reported
 # with its reason.

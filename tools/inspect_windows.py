@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from aah_lightning.aah import diagnostics as diag
-from aah_lightning.aah import metrics, plots
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policy_base import PolicyReport, policy_class
 from aah_lightning.errors import ConfigError
+from aah_lightning.windows import metrics, plots
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import PolicyReport, policy_class
 
 
 class InspectError(ValueError):
@@ -74,8 +73,8 @@ def policy_report(aah: dict, state: dict, seq_len: int | None) -> PolicyReport:
 def report(info: dict, seq_len: int, block_size: int) -> str:
     table = info["table"]
     trees = info["report"].trees
-    acr, cov = diag.layer_acr(table, seq_len), diag.layer_causal_coverage(table, seq_len)
-    dens = diag.layer_block_density(table, seq_len, block_size)
+    acr, cov = metrics.layer_acr(table, seq_len), metrics.layer_causal_coverage(table, seq_len)
+    dens = metrics.layer_block_density(table, seq_len, block_size)
     width = max(len(str(int(w))) for w in table.flatten())
     lines = [
         f"step {info['step']}, policy {info['policy']}, T={seq_len}, {table.shape[0]} layers x {table.shape[1]} heads, "
@@ -95,9 +94,9 @@ def report(info: dict, seq_len: int, block_size: int) -> str:
         f"{float(metrics.block_density(table, seq_len, block_size)):.4f}",
     ]
     candidates = info["candidates"] or AAHConfig().resolved_candidates(seq_len)
-    shares = [f"W={w} {float((table == w).double().mean()):.1%}" for w in diag.fraction_windows(table, candidates)]
+    shares = [f"W={w} {float((table == w).double().mean()):.1%}" for w in metrics.fraction_windows(table, candidates)]
     lines += ["window fractions: " + ", ".join(shares), "", "hierarchy:"]
-    text = diag.hierarchy_text(table, trees, info["report"].last_step)
+    text = metrics.hierarchy_text(table, trees, info["report"].last_step)
     if trees is None:
         lines.append(f"  (policy {info['policy']} has no groups: heads and windows per layer)")
     lines += ["  " + line for line in text.splitlines()]

@@ -23,13 +23,12 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from aah_lightning.aah import diagnostics as diag
-from aah_lightning.aah import metrics
-from aah_lightning.aah.policy_base import PolicyReport
-from aah_lightning.aah.probe import mass_within, run_probe
 from aah_lightning.data.batch import seq_len_of, split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit.callbacks import host_window_table, tensorboard
+from aah_lightning.windows import metrics
+from aah_lightning.windows.policy_base import PolicyReport
+from aah_lightning.windows.probe import mass_within, run_probe
 
 
 def _log_scalars(trainer, values: dict[str, float], step: int) -> None:
@@ -62,26 +61,26 @@ class TableScalars:
             "aah/causal_coverage": float(metrics.causal_coverage(table, seq_len)),
         }
         per_layer = {
-            "aah/acr": diag.layer_acr(table, seq_len),
-            "aah/causal_coverage": diag.layer_causal_coverage(table, seq_len),
+            "aah/acr": metrics.layer_acr(table, seq_len),
+            "aah/causal_coverage": metrics.layer_causal_coverage(table, seq_len),
         }
         if self.block_density:
-            density, _ = diag.plan_block_density(
+            density, _ = metrics.plan_block_density(
                 self.plans_in_use(pl_module, seq_len), table, seq_len, pl_module.model.cfg.block_size
             )
             values["aah/block_density"] = sum(density) / len(density)  # every layer has the same tile count
             per_layer["aah/block_density"] = density
-        for w in diag.fraction_windows(table, report.candidates):
+        for w in metrics.fraction_windows(table, report.candidates):
             values[f"aah/window_fraction/{w}"] = float((table == w).to(torch.float64).mean())
-        rate = diag.change_rate(previous, table)
+        rate = metrics.change_rate(previous, table)
         if rate is not None:
             values["aah/window_change_rate"] = rate
         if report.trees is not None:
-            levels, counts = diag.group_stats(report.trees)
+            levels, counts = metrics.group_stats(report.trees)
             with_tree = [n for n in levels if n > 0]
             values["aah/levels_used"] = sum(with_tree) / len(with_tree)
             per_layer["aah/levels_used"] = levels
-            for k, mean in enumerate(diag.mean_group_counts(counts)):
+            for k, mean in enumerate(metrics.mean_group_counts(counts)):
                 values[f"aah/groups/level_{k}"] = mean
             if self.per_layer:
                 for layer, c in enumerate(counts):
@@ -125,7 +124,7 @@ class WindowMap:
     tags = ("aah/window_map",)
 
     def log(self, tb, table: Tensor, step: int, seq_len: int, report: PolicyReport) -> None:
-        from aah_lightning.aah import plots  # matplotlib: loaded only by runs that draw
+        from aah_lightning.windows import plots  # matplotlib: loaded only by runs that draw
 
         title = (
             f"step {step}: ACR {float(metrics.acr(table, seq_len)):.3f}, "
@@ -141,7 +140,7 @@ class HierarchyText:
     tags = ("aah/hierarchy",)
 
     def log(self, tb, table: Tensor, step: int, report: PolicyReport) -> None:
-        text = diag.hierarchy_text(table, report.trees, report.last_step)
+        text = metrics.hierarchy_text(table, report.trees, report.last_step)
         # Indented four spaces: TensorBoard renders the text as markdown, and this keeps it a preformatted block.
         tb.experiment.add_text("aah/hierarchy", "\n".join("    " + line for line in text.splitlines()), step)
 

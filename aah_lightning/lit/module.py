@@ -15,8 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from aah_lightning import validation
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policy_base import make_policy
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
@@ -24,6 +22,8 @@ from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, widen_full_w
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import make_policy
 
 
 @dataclass

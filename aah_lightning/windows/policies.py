@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.policy_base import WindowPolicy, register
 from aah_lightning.errors import ConfigError, require
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import WindowPolicy, register
 
 
 def check_table(table, policy: str, seq_len: int, n_layer: int, n_head: int) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from aah_lightning.aah.controller.allocators import window_costs
-from aah_lightning.aah.controller.registry import ALLOCATORS
-from aah_lightning.aah.policy_base import policy_class
 from aah_lightning.errors import ConfigError, require
+from aah_lightning.windows.controller.allocators import window_costs
+from aah_lightning.windows.controller.registry import ALLOCATORS
+from aah_lightning.windows.policy_base import policy_class
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aah_lightning.aah.controller.allocators import LayerInputs, reach_allocator
-from aah_lightning.aah.controller.paper_allocator import PaperAllocator
+from aah_lightning.windows.controller.allocators import LayerInputs, reach_allocator
+from aah_lightning.windows.controller.paper_allocator import PaperAllocator
 
 Allocator = Callable[[LayerInputs], list[list[int]]]
 

@@ -1,7 +1,15 @@
-"""Diagnostics of a window table beyond the model-wide numbers of ``metrics``: per-layer values, the tile density of
-the attention plans actually used, window changes, and the policy's hierarchy of head groups.
+"""Every number about a window table (definitions: docs/method.md).
 
-Everything here works on CPU copies (the planner's host mirror of the table, a checkpoint's state) and is called at
+Model-wide values are pure tensor math with no host syncs:
+
+* ACR (the paper's definition, kept exactly): mean over (layer, head) of ``min(W, T) / T``.
+* causal coverage: allowed causal pairs / all causal pairs, ``pairs(W, T) = W(W+1)/2 + (T-W)W`` for ``W <= T``
+  over ``T(T+1)/2`` - the work a perfect kernel does.
+* block density: non-empty tiles of the BlockMask / causal tiles - the work FlexAttention does.
+* window fractions: share of heads on each candidate window.
+
+Per-layer values, the tile density of the attention plans actually used, window changes and the policy's hierarchy
+of head groups work on CPU copies (the planner's host mirror of the table, a checkpoint's state) and are called at
 log steps or by the inspect tool, never on the training hot path. The hierarchy comes from the policy's
 ``PolicyReport`` (``policy.report()``, or ``report_from_state`` of a checkpoint): per layer a ``GroupTree`` whose
 ``levels[level][group]`` are head indices (level 0 the finest) and ``windows[level][group]`` the chosen windows.
@@ -10,27 +18,44 @@ log steps or by the inspect tool, never on the training hot path. The hierarchy 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from aah_lightning.aah import metrics
-from aah_lightning.aah.controller.hierarchy import GroupTree
+# Pairs, coverage and tiles are counted in one place (model/window_math.py); the run's metrics re-export them.
 from aah_lightning.model import window_math
+from aah_lightning.model.window_math import block_density, causal_coverage, causal_pairs
+
+if TYPE_CHECKING:  # type hints only: the controller imports this module
+    from aah_lightning.windows.controller.hierarchy import GroupTree
+
+__all__ = ["acr", "block_density", "causal_coverage", "causal_pairs", "window_fractions"]
+
+
+def acr(windows: Tensor, seq_len: int) -> Tensor:
+    """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len``."""
+    return (torch.clamp(windows.to(torch.float64), max=seq_len) / seq_len).mean()
+
+
+def window_fractions(windows: Tensor, candidates: list[int]) -> dict[int, Tensor]:
+    """Share of heads whose window equals each candidate."""
+    flat = windows.reshape(-1)
+    return {c: (flat == c).to(torch.float64).mean() for c in candidates}
 
 
 # -- per-layer values of a table ----------------------------------------------------------------------------------
 def layer_acr(table: Tensor, seq_len: int) -> list[float]:
-    return [float(metrics.acr(row, seq_len)) for row in table]
+    return [float(acr(row, seq_len)) for row in table]
 
 
 def layer_causal_coverage(table: Tensor, seq_len: int) -> list[float]:
-    return [float(metrics.causal_coverage(row, seq_len)) for row in table]
+    return [float(causal_coverage(row, seq_len)) for row in table]
 
 
 def layer_block_density(table: Tensor, seq_len: int, block_size: int) -> list[float]:
     """Analytic non-empty tiles / causal tiles per layer: what a BlockMask of the table visits."""
-    return [float(metrics.block_density(row.view(1, -1), seq_len, block_size)) for row in table]
+    return [float(block_density(row.view(1, -1), seq_len, block_size)) for row in table]
 
 
 def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size: int) -> tuple[list[float], list[str]]:

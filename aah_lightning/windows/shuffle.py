@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.controller.adaptive import AdaptivePolicy
-from aah_lightning.aah.policy_base import PolicyReport, WindowPolicy, register
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.controller.adaptive import AdaptivePolicy
+from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
 
 SEED_OFFSET = 3
 

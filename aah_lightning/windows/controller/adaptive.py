@@ -19,24 +19,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from aah_lightning.aah import metrics
-from aah_lightning.aah.config import AAHConfig
-from aah_lightning.aah.controller import features as feats
-from aah_lightning.aah.controller.allocators import LayerInputs, window_costs
-from aah_lightning.aah.controller.budget import RunSpend, allocate_model
-from aah_lightning.aah.controller.grouping import (
+from aah_lightning.data.batch import split_batch
+from aah_lightning.errors import ConfigError
+from aah_lightning.windows import metrics
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.controller import features as feats
+from aah_lightning.windows.controller.allocators import LayerInputs, window_costs
+from aah_lightning.windows.controller.budget import RunSpend, allocate_model
+from aah_lightning.windows.controller.grouping import (
     Partition,
     cluster_heads,
     pairwise_distances,
     random_partition,
     singletons,
 )
-from aah_lightning.aah.controller.hierarchy import GroupTree, Hierarchy, build_hierarchy
-from aah_lightning.aah.controller.registry import make_allocator
-from aah_lightning.aah.policy_base import PolicyReport, WindowPolicy, register
-from aah_lightning.aah.probe import run_probe
-from aah_lightning.data.batch import split_batch
-from aah_lightning.errors import ConfigError
+from aah_lightning.windows.controller.hierarchy import GroupTree, Hierarchy, build_hierarchy
+from aah_lightning.windows.controller.registry import make_allocator
+from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
+from aah_lightning.windows.probe import run_probe
 
 
 @register("adaptive")

@@ -32,7 +32,7 @@ from functools import reduce
 import numpy as np
 from torch import Tensor
 
-from aah_lightning.aah.controller.allocators import LayerInputs, needed_index
+from aah_lightning.windows.controller.allocators import LayerInputs, needed_index
 
 # Above this many budget units the knapsack runs on a coarser grid (memory: one byte per unit and group).
 MAX_UNITS = 1 << 16

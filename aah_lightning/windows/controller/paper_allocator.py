@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aah_lightning.aah.controller.allocators import LayerInputs
 from aah_lightning.errors import ConfigError
+from aah_lightning.windows.controller.allocators import LayerInputs
 
 N_BASE = 9  # the paper feature family (features.FeatureLayout.paper)
 N_INPUT = 3 * N_BASE + 2  # 29: features, level scalar, parent difference, global offset, size fraction

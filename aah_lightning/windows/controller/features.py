@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aah_lightning.aah.probe import ProbeResult
+from aah_lightning.windows.probe import ProbeResult
 
 # The nine paper features, in order: mean_abs_q, std_q, mean_abs_k, std_k, mean_abs_v, std_v, entropy, out_norm, rho.
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from aah_lightning.aah.controller.grouping import Partition, agglomerate
+from aah_lightning.windows.controller.grouping import Partition, agglomerate
 
 
 @dataclass

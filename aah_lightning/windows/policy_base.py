@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor
 
-from aah_lightning.aah.controller.hierarchy import GroupTree
 from aah_lightning.errors import ConfigError
+from aah_lightning.windows.controller.hierarchy import GroupTree
 
 if TYPE_CHECKING:  # the settings type only: config.py does not import policies, and policies import this module
-    from aah_lightning.aah.config import AAHConfig
+    from aah_lightning.windows.config import AAHConfig
 
 BUILTIN_MODULES = (
-    "aah_lightning.aah.policies",  # full, fixed, static, random
-    "aah_lightning.aah.controller.adaptive",  # adaptive: the AAH controller
-    "aah_lightning.aah.shuffle",  # shuffle: the controller's table permuted per layer
+    "aah_lightning.windows.policies",  # full, fixed, static, random
+    "aah_lightning.windows.controller.adaptive",  # adaptive: the AAH controller
+    "aah_lightning.windows.shuffle",  # shuffle: the controller's table permuted per layer
 )
 
 POLICIES: dict[str, type[WindowPolicy]] = {}
