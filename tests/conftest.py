@@ -5,8 +5,10 @@ import torch
 
 from helpers.cli import tiny_cli_args
 
-# Two cores: keep torch from oversubscribing when pytest runs alongside data workers.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread, here and in every process a test starts (Lightning's DDP ranks already take one each): the models are
+# tiny, and two threads spin-waiting for each other cost more CPU than they save, most of all on a busy machine.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture
@@ -24,12 +26,3 @@ def token_cache(tmp_path_factory):
         os.environ.pop("AAH_CACHE_DIR")
     else:
         os.environ["AAH_CACHE_DIR"] = old
-
-
-@pytest.fixture
-def one_thread():
-    """Train tiny models on one thread: faster, and on a busy machine two spin-waiting threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -50,7 +50,7 @@ start() {
   local dir host cpus ctld_port d_port
   dir=$(mkdir -p "$1" && cd "$1" && pwd)
   host=$(hostname -s)
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the machine's CPUs (nproc would honour the OMP limits)
   read -r ctld_port d_port <<< "${SLURM_LOCAL_PORTS:-$(free_ports)}"
   mkdir -p "${dir}/munge" "${dir}/state" "${dir}/spool" "${dir}/log"
   chmod 700 "${dir}/munge"
@@ -83,6 +83,9 @@ SlurmdPidFile=${dir}/slurmd.pid
 SlurmctldLogFile=${dir}/log/slurmctld.log
 SlurmdLogFile=${dir}/log/slurmd.log
 SelectType=select/cons_tres
+# Cores are what jobs are given (memory is not counted), and a job that asks (sbatch --oversubscribe) may share them
+# with other such jobs: tests/distributed/test_slurm_real.py runs its four two-task jobs side by side on a small machine.
+SelectTypeParameters=CR_Core
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -95,7 +98,7 @@ MinJobAge=3600
 # Job ids of two local clusters differ: Lightning derives the ranks' rendezvous port from the job id.
 FirstJobId=$((RANDOM % 9000 + 1000))
 NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
   export SLURM_CONF="${dir}/slurm.conf"
   # -i: ignore state a previous slurmctld may have left (there is none: StateSaveLocation is new).

@@ -151,7 +151,8 @@ def test_window_table_check_catches_a_rank_that_differs():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_table_check_worker, args=(2, port, out), nprocs=2, join=True)
+    # forked, not spawned: the ranks start with torch and the package already imported
+    mp.start_processes(_table_check_worker, args=(2, port, out), nprocs=2, join=True, start_method="fork")
     assert out[(False, 0)] == out[(False, 1)] == "ok"  # the same tables pass
     # A rank with another table: both ranks stop, at the step of the change, with the reason.
     assert all("differs between ranks" in out[(True, r)] and "step 2" in out[(True, r)] for r in (0, 1)), dict(out)

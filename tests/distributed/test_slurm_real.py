@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -158,6 +159,7 @@ def _submit(slurm, name: str, strategy: str, hold_at: list[int]) -> tuple[str, s
             "--ntasks-per-node=2",
             "--gpus-per-node=0",
             "--cpus-per-task=1",
+            "--oversubscribe",  # the test's jobs share the node's CPUs: they run side by side
             f"--job-name={name}",
             f"--output={folder}/slurm-%j.out",
             SCRIPT,
@@ -206,23 +208,57 @@ def _finished(env, job_id: str, folder) -> dict:
     return _job(env, job_id)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_preempted_and_time_limited_jobs_requeue_and_resume_exactly(slurm, strategy):
+class _Signals(threading.Thread):
+    """Preempts a job at its first hold point and sends it the time-limit signal at its second, as it reaches them."""
+
+    def __init__(self, env, job_id: str, run: str):
+        super().__init__(daemon=True)
+        self.env, self.job_id, self.run_dir, self.error = env, job_id, run, None
+
+    def run(self):
+        try:
+            run = self.run_dir
+            # Preemption: SLURM ends the job and puts it back in the queue.
+            _wait(lambda: _held(run, 0), "the first run to reach its hold point", run)
+            subprocess.run(["scontrol", "requeue", self.job_id], env=self.env, check=True)
+            # The time-limit warning (--signal=B:USR1@300 sends the same signal to the batch shell only).
+            _wait(lambda: _held(run, 1), "the requeued run to reach its hold point", run)
+            subprocess.run(["scancel", "--signal=USR1", "--batch", self.job_id], env=self.env, check=True)
+        except BaseException as err:  # raised in the test, by sent()
+            self.error = err
+
+    def sent(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+STRATEGIES = ["ddp", "fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm):
+    """Both strategies' jobs, submitted at once so that they run side by side: per strategy the reference (the same
+    job, never interrupted) and the job that is preempted and then time-limited, with the thread that signals it."""
+    submitted = {}
+    for strategy in STRATEGIES:
+        ref = _submit(slurm, f"{strategy}-whole", strategy, hold_at=[])
+        job = _submit(slurm, f"{strategy}-requeued", strategy, hold_at=[PREEMPT_AT, TIME_LIMIT_AT])
+        signals = _Signals(slurm[0], *job)
+        signals.start()
+        submitted[strategy] = (ref, job, signals)
+    return submitted
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_preempted_and_time_limited_jobs_requeue_and_resume_exactly(slurm, jobs, strategy):
     env = slurm[0]
-    # The reference: the same job, never interrupted.
-    ref_id, ref = _submit(slurm, f"{strategy}-whole", strategy, hold_at=[])
-    job_id, run = _submit(slurm, f"{strategy}-requeued", strategy, hold_at=[PREEMPT_AT, TIME_LIMIT_AT])
+    (ref_id, ref), (job_id, run), signals = jobs[strategy]
 
     job = _finished(env, ref_id, ref)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), _logs(ref)
 
-    # Preemption: SLURM ends the job and puts it back in the queue.
-    _wait(lambda: _held(run, 0), "the first run to reach its hold point", run)
-    subprocess.run(["scontrol", "requeue", job_id], env=env, check=True)
-    # The time-limit warning (--signal=B:USR1@300 sends the same signal to the batch shell only).
-    _wait(lambda: _held(run, 1), "the requeued run to reach its hold point", run)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-
+    signals.sent()  # a preemption, then the time-limit warning, each at its hold point
     job = _finished(env, job_id, run)
     with open(os.path.join(run, f"slurm-{job_id}.out"), errors="replace") as f:
         output = f.read()  # all three runs: --open-mode=append

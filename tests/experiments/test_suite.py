@@ -81,7 +81,10 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     (rows_dir / "base.yaml").write_text(BASE)
     for name, text in ROWS.items():
         (rows_dir / f"{name}.yaml").write_text(text)
-    assert run_tool("suite", "--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out)) == 0
+    # two runs at a time, as the suite is used (--jobs), so the four runs take the time of two
+    assert (
+        run_tool("suite", "--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out), "--jobs", "2") == 0
+    )
 
     # every run's events, read independently of the suite
     events = {(r, s): read_events(out / r / f"seed{s}") for r in ROWS for s in SEEDS}

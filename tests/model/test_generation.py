@@ -10,8 +10,6 @@ from aah_lightning.model import generate as gen
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster than two contending
-
 
 def tiny_model(seq_len=24, n_layer=2, n_head=4, windows=None, dtype=torch.float64, backend="sdpa") -> GPT:
     torch.manual_seed(0)

@@ -229,7 +229,7 @@ def _same_state(a: dict, b: dict):
 
 
 @pytest.mark.parametrize("grouping", ["cluster", "fixed_random"])
-def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping, one_thread):
+def test_checkpoint_round_trip_gives_identical_state_and_decisions(grouping):
     g = torch.Generator().manual_seed(0)
     data = [
         {"tokens": torch.randint(0, 32, (4, T + 1), generator=g), "doc_ids": torch.zeros(4, T + 1, dtype=torch.long)}

@@ -79,7 +79,7 @@ def run(ckpt_path=None, stop_at=None):
 
 
 @pytest.mark.heavy
-def test_resumed_run_makes_the_uninterrupted_decisions(tmp_path, one_thread):
+def test_resumed_run_makes_the_uninterrupted_decisions(tmp_path):
     _, straight, straight_tables = run()
 
     trainer, first, _ = run(stop_at=STOP)

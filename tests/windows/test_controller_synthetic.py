@@ -21,7 +21,7 @@ COPY = T // 2 - 1  # query-key distance of the token to copy
 
 
 @pytest.mark.heavy
-def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(one_thread):
+def test_copying_heads_get_the_long_windows_and_the_rest_short_ones():
     L.seed_everything(0)
     # No test blocks: the training order these thresholds were set on (a test split shifts the permutation).
     dm = TextDataModule(

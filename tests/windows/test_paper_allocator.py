@@ -202,7 +202,7 @@ def test_the_networks_have_no_gradient_path():
     assert all(isinstance(i, int) for level in chosen for i in level)  # indices, nothing differentiable comes out
 
 
-def test_weights_are_untouched_by_training_and_outside_the_optimizer(tmp_path, tiny_args, one_thread):
+def test_weights_are_untouched_by_training_and_outside_the_optimizer(tmp_path, tiny_args):
     main(
         tiny_args(
             "--model.aah.policy=adaptive",
