@@ -86,6 +86,7 @@ class TokenizerExport:
             "clean_up_tokenization_spaces": False,
             "split_special_tokens": self.split_special_tokens,
             "model_max_length": model_max_length,
+            "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids: the model has no segments
         }
         with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
