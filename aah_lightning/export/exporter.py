@@ -177,7 +177,11 @@ def write(plan: ExportPlan, out: str) -> None:
         plan.config.save_pretrained(tmp)
         eod = plan.config.eos_token_id
         GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(tmp)
-        save_file(plan.tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        weights = os.path.join(tmp, "model.safetensors")
+        save_file(plan.tensors, weights, metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(weights, 0o666 & ~umask)  # safetensors creates it owner-only; like the other files instead
         for name in CODE_FILES:
             shutil.copyfile(os.path.join(HF_CODE, name), os.path.join(tmp, name))
         if plan.tokenizer is not None:

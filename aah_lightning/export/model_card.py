@@ -15,14 +15,6 @@ from aah_lightning.windows import metrics
 _DATA_KEYS = ("source", "tokenizer", "seq_len", "batch_size", "paths", "path", "hub_name", "hub_config", "seed")
 
 
-def best_val_loss(ckpt: dict) -> float | None:
-    """The best ``val/loss`` a ModelCheckpoint callback in the checkpoint recorded, if any."""
-    for key, state in (ckpt.get("callbacks") or {}).items():
-        if "val/loss" in str(key) and isinstance(state, dict) and state.get("best_model_score") is not None:
-            return float(state["best_model_score"])
-    return None
-
-
 def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
     """Markdown lines: ACR, causal coverage, the window histogram and the table itself."""
     table = windows.to(torch.int64)
@@ -52,7 +44,6 @@ def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, to
     hp = {k: v for k, v in dict(ckpt["hyper_parameters"]).items() if not k.startswith("_")}
     training = {"model": hp, "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
     step = ckpt.get("global_step")
-    val = best_val_loss(ckpt)
     tokenizer = (
         "none (trained on synthetic data): pass token ids"
         if tok is None
@@ -71,9 +62,7 @@ def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, to
         "Query i of head h in layer l attends to key j iff `0 <= i - j < windows[l][h]`; the table is `windows` in "
         "config.json and the modeling code (`modeling_aah.py`) applies it exactly.",
         "",
-        f"- exported from `{os.path.basename(ckpt_path)}`"
-        + (f" at optimizer step {step}" if step is not None else "")
-        + (f"; best validation loss {val:.4f} nats/token" if val is not None else ""),
+        f"- exported from `{os.path.basename(ckpt_path)}`" + (f" at optimizer step {step}" if step is not None else ""),
         f"- about {params / 1e6:.2f} M parameters; trained sequence length T = {gpt.seq_len} "
         f"(`max_position_embeddings`); vocabulary {gpt.vocab_size}",
         f"- tokenizer: {tokenizer}",

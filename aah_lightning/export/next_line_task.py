@@ -4,7 +4,8 @@ Each example is a few lines of Python source (``context``) and four candidate ne
 really follows, and three lines drawn from elsewhere in the held-out text with the same indentation (so indentation
 alone gives nothing away). A model scores each choice by its log-likelihood after the context; ``acc`` counts the
 examples where the true line scores highest, ``acc_norm`` the same with scores divided by the line's length in
-characters. Chance is 1/4.
+characters, and ``acc_mutual_info`` with each score minus the line's log-likelihood without the context (how much the
+context raised it: the raw scores mostly measure how common a line is). Chance is 1/4.
 
 The text is the quickstart's validation split of the ``stdlib`` corpus (``configs/quickstart.yaml``'s ``data``
 settings: the tail of the seeded token stream, never trained on), so the task data is a function of the Python
@@ -132,15 +133,18 @@ def _continuation(context: str, choice: str) -> str:
 
 
 def accuracy(examples: list[dict], score) -> dict[str, float]:
-    """``acc`` and ``acc_norm`` as lm-evaluation-harness computes them for multiple choice, from ``score(context,
-    continuation)`` = the log-likelihood of the continuation (first highest score wins a tie)."""
-    hits = hits_norm = 0
+    """``acc``, ``acc_norm`` and ``acc_mutual_info`` as lm-evaluation-harness computes them for multiple choice, from
+    ``score(context, continuation)`` = the log-likelihood of the continuation after the context (``""``: no context).
+    The first highest score wins a tie."""
+    hits = {"acc": 0, "acc_norm": 0, "acc_mutual_info": 0}
     for ex in examples:
         lls = np.array([score(ex["context"], _continuation(ex["context"], c)) for c in ex["choices"]])
         lengths = np.array([float(len(c)) for c in ex["choices"]])
-        hits += int(np.argmax(lls)) == ex["label"]
-        hits_norm += int(np.argmax(lls / lengths)) == ex["label"]
-    return {"acc": hits / len(examples), "acc_norm": hits_norm / len(examples)}
+        unconditional = np.array([score("", c) for c in ex["choices"]])
+        hits["acc"] += int(np.argmax(lls)) == ex["label"]
+        hits["acc_norm"] += int(np.argmax(lls / lengths)) == ex["label"]
+        hits["acc_mutual_info"] += int(np.argmax(lls - unconditional)) == ex["label"]
+    return {name: n / len(examples) for name, n in hits.items()}
 
 
 def unigram_scorer(train_tokens: np.ndarray):
@@ -207,8 +211,11 @@ def main(argv=None) -> int:
         print(f"wrote {len(examples)} examples to {os.path.join(args.out, 'data.jsonl')}")
     unigram = accuracy(examples, unigram_scorer(train))
     print(f"examples {len(examples)} from {held_out.size} held-out tokens (Python {meta['python']})")
-    print(f"random choice: acc {1 / CHOICES:.4f}, acc_norm {1 / CHOICES:.4f} (expected)")
-    print(f"unigram (train byte frequencies): acc {unigram['acc']:.4f}, acc_norm {unigram['acc_norm']:.4f}")
+    print(f"random choice: {1 / CHOICES:.4f} for every metric (expected)")
+    print(
+        f"unigram (train byte frequencies): acc {unigram['acc']:.4f}, acc_norm {unigram['acc_norm']:.4f}, "
+        f"acc_mutual_info {unigram['acc_mutual_info']:.4f} (no context: always the first choice)"
+    )
     return 0
 
 
