@@ -5,7 +5,7 @@ Self-contained on purpose (torch and transformers only): the export folder loads
 
 The network is aah's GPT, computed the same way: pre-norm blocks (LayerNorm, attention, LayerNorm, GELU MLP), rotary
 position embeddings in rotate-half form applied to queries and keys, no dropout, and an output layer that reuses the
-token embedding matrix. Attention runs through ``scaled_dot_product_attention`` with an additive mask built from the
+token embedding matrix. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
 window table in the config: query ``i`` of head ``h`` in layer ``l`` attends to key ``j`` iff
 ``0 <= i - j < windows[l][h]``, with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
 Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to.
@@ -53,28 +53,25 @@ def rotary_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def window_masks(
-    windows: torch.Tensor, past: int, length: int, key_padding: torch.Tensor | None, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """One additive mask per layer, ``[B or 1, H, length, past + length]``: 0 where query ``past + t`` may attend to
-    key ``j`` (``0 <= past + t - j < W[h]`` and key ``j`` is not padding), the most negative ``dtype`` elsewhere.
+def window_masks(windows: torch.Tensor, past: int, length: int, key_padding: torch.Tensor | None) -> list[torch.Tensor]:
+    """One boolean mask per layer, ``[B or 1, H, length, past + length]``: True where query ``past + t`` may attend
+    to key ``j``, i.e. ``0 <= past + t - j < W[h]`` and key ``j`` is not padding. Layers with the same row of windows
+    share one mask.
 
-    A finite fill (not -inf) keeps rows without any allowed key (padding queries) from turning into NaN; in every
-    other row the masked entries get exactly zero weight. Layers with the same row of windows share one mask.
-    """
+    A real token always sees itself (every window is at least 1), so only padding queries could be left without any
+    key, which would make their attention NaN; they are given their own position (their outputs are never used)."""
     device = windows.device
     query = torch.arange(past, past + length, device=device)
     key = torch.arange(past + length, device=device)
     distance = (query.view(-1, 1) - key.view(1, -1)).view(1, 1, length, past + length)
-    blocked = torch.finfo(dtype).min
     masks, built = [], {}
     for row in windows:
         key_of_row = tuple(row.tolist())
         if key_of_row not in built:
             allowed = (distance >= 0) & (distance < row.view(1, -1, 1, 1))
             if key_padding is not None:
-                allowed = allowed & key_padding.view(key_padding.shape[0], 1, 1, -1)
-            built[key_of_row] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, blocked)
+                allowed = (allowed & key_padding.view(key_padding.shape[0], 1, 1, -1)) | (distance == 0)
+            built[key_of_row] = allowed
         masks.append(built[key_of_row])
     return masks
 
@@ -188,7 +185,7 @@ class AAHModel(AAHPreTrainedModel):
             key_padding = attention_mask.to(device=x.device, dtype=torch.bool)
             if bool(key_padding.all()):
                 key_padding = None
-        masks = window_masks(self.windows.to(x.device), past, T, key_padding, x.dtype)
+        masks = window_masks(self.windows.to(x.device), past, T, key_padding)
 
         for block, mask in zip(self.blocks, masks):
             x = block(x, cos, sin, mask, cache)
