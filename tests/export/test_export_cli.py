@@ -145,3 +145,14 @@ def test_synthetic_checkpoint_exports_without_a_tokenizer(make_module, write_che
     assert code == 0 and "no tokenizer (synthetic data)" in printed
     assert not (tmp_path / "syn" / "tokenizer.json").exists()
     assert json.loads((tmp_path / "syn" / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_compiled_block_names_and_the_tied_output_layer_are_mapped(make_module, write_checkpoint, tmp_path):
+    from aah_lightning.export.exporter import model_state
+
+    state = make_module(seed=6).state_dict()
+    compiled = {k.replace("model.blocks.0.", "model.blocks.0._orig_mod."): v for k, v in state.items()}
+    weights, windows = model_state(compiled)
+    assert "model.blocks.0.attn.qkv.weight" in weights and not any("_orig_mod" in k for k in weights)
+    assert "model.lm_head.weight" not in weights and torch.equal(windows, state["model.windows"])
+    assert set(weights) == {k for k in state if k.startswith("model.")} - {"model.lm_head.weight", "model.windows"}
