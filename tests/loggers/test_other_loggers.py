@@ -83,6 +83,8 @@ def test_wandb_offline_gets_the_window_map_hierarchy_and_sample(tmp_path, monkey
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # nothing in the user's home folder
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     logger = [
         "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
         f"--trainer.logger.save_dir={tmp_path}",
