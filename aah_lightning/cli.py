@@ -1,7 +1,8 @@
 """The ``aah`` command: a LightningCLI over AAHModule and TextDataModule.
 
 ``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``); ``aah predict --config X.yaml
---ckpt_path C --data.prompts P --generate.output O`` writes completions (docs/generation.md). Settings the user gives
+--ckpt_path C --data.prompts P --generate.output O`` writes completions (docs/generation.md); ``aah export
+--ckpt_path C --out DIR`` writes a Hugging Face transformers folder (docs/export.md). Settings the user gives
 once are linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the
 run with one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run
 saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
@@ -189,6 +190,11 @@ def _user_error(exc: BaseException | None):
 
 
 def main(args=None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, (list, tuple)) and argv and argv[0] == "export":  # not a Trainer run: its own small parser
+        from aah_lightning.export.exporter import main as export_main
+
+        sys.exit(export_main(list(argv[1:])))
     try:
         AAHCLI(
             AAHModule,

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from aah_lightning.data.batch import seq_len_of, split_batch
 from aah_lightning.errors import require
-from aah_lightning.lit.callbacks import host_window_table, tensorboard
+from aah_lightning.lit.callbacks import host_window_table
+from aah_lightning.lit.media import media_loggers
 from aah_lightning.windows import metrics
 from aah_lightning.windows.policy_base import PolicyReport
 from aah_lightning.windows.probe import mass_within, run_probe
@@ -111,11 +112,12 @@ class WindowHistograms:
     def __init__(self, per_layer: bool = True):
         self.per_layer = per_layer
 
-    def log(self, tb, table: Tensor, step: int) -> None:
-        tb.experiment.add_histogram("aah/windows", table.flatten(), global_step=step)
-        if self.per_layer:
-            for layer, row in enumerate(table):
-                tb.experiment.add_histogram(f"aah/windows/layer_{layer}", row, global_step=step)
+    def log(self, media: list, table: Tensor, step: int) -> None:
+        for sink in media:
+            sink.histogram("aah/windows", table.flatten(), step)
+            if self.per_layer:
+                for layer, row in enumerate(table):
+                    sink.histogram(f"aah/windows/layer_{layer}", row, step)
 
 
 class WindowMap:
@@ -123,7 +125,7 @@ class WindowMap:
 
     tags = ("aah/window_map",)
 
-    def log(self, tb, table: Tensor, step: int, seq_len: int, report: PolicyReport) -> None:
+    def log(self, media: list, table: Tensor, step: int, seq_len: int, report: PolicyReport) -> None:
         from aah_lightning.windows import plots  # matplotlib: loaded only by runs that draw
 
         title = (
@@ -131,7 +133,9 @@ class WindowMap:
             f"causal coverage {float(metrics.causal_coverage(table, seq_len)):.3f}"
         )
         fig = plots.window_map_figure(table, seq_len, report.candidates, title)
-        tb.experiment.add_image("aah/window_map", plots.figure_rgb(fig), global_step=step, dataformats="HWC")
+        rgb = plots.figure_rgb(fig)
+        for sink in media:
+            sink.image("aah/window_map", rgb, step)
 
 
 class HierarchyText:
@@ -139,10 +143,10 @@ class HierarchyText:
 
     tags = ("aah/hierarchy",)
 
-    def log(self, tb, table: Tensor, step: int, report: PolicyReport) -> None:
+    def log(self, media: list, table: Tensor, step: int, report: PolicyReport) -> None:
         text = metrics.hierarchy_text(table, report.trees, report.last_step)
-        # Indented four spaces: TensorBoard renders the text as markdown, and this keeps it a preformatted block.
-        tb.experiment.add_text("aah/hierarchy", "\n".join("    " + line for line in text.splitlines()), step)
+        for sink in media:
+            sink.text("aah/hierarchy", text, step)
 
 
 class AttentionMassCoverage:
@@ -182,7 +186,9 @@ class AttentionMassCoverage:
 
 
 class WindowDiagnostics(L.Callback):
-    """What the window table is and does, logged to TensorBoard on rank 0: schedules the parts above.
+    """What the window table is and does, logged on rank 0: schedules the parts above. Scalars go to every logger;
+    histograms, the map and the text to the loggers that show them (lit/media.py: TensorBoard, W&B), and are not
+    computed when there is none (e.g. CSVLogger alone).
 
     Every ``every_n_steps`` optimizer steps and whenever the table changes: ``TableScalars`` and ``WindowHistograms``.
     At the first step and whenever the table or the policy's decision (``PolicyReport.last_step``) changes, at most
@@ -266,17 +272,17 @@ class WindowDiagnostics(L.Callback):
             return
         table = host_window_table(pl_module)
         report = pl_module.policy.report()
-        tb = tensorboard(trainer)
+        media = media_loggers(trainer)  # loggers that show histograms, images, text (none: scalars only)
         if self._last_table is None or not torch.equal(table, self._last_table) or step % self.every_n_steps == 0:
             _log_scalars(trainer, self.scalars.values(pl_module, table, seq_len, report, self._last_table), step)
-            if tb is not None and self.histograms is not None:
-                self.histograms.log(tb, table, step)
+            if media and self.histograms is not None:
+                self.histograms.log(media, table, step)
             self._last_table = table
-        if tb is not None and self._visuals_due(table, report, step):
+        if media and self._visuals_due(table, report, step):
             if self.window_map is not None:
-                self.window_map.log(tb, table, step, seq_len, report)
+                self.window_map.log(media, table, step, seq_len, report)
             if self.hierarchy is not None:
-                self.hierarchy.log(tb, table, step, report)
+                self.hierarchy.log(media, table, step, report)
         if amc is not None:
             _log_scalars(trainer, self.amc.values(amc), step)
 

@@ -5,7 +5,7 @@
   Every rank keeps its own rows; at the end they are gathered and rank 0 writes the file at once (a temporary file
   renamed over the target), so an interrupted run leaves no half-written output. The output path is checked before
   anything is generated.
-* ``ValidationSample`` (CLI section ``sample``) logs ``val/sample`` to TensorBoard after every validation: a short
+* ``ValidationSample`` (CLI section ``sample``) logs ``val/sample`` (TensorBoard, W&B) after every validation: a short
   greedy continuation of a fixed prompt, to read how the model is doing.
 """
 
@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.data.prompts import encode_prompt
 from aah_lightning.errors import ConfigError, require
-from aah_lightning.lit.callbacks import tensorboard
 from aah_lightning.lit.distributed import gather
+from aah_lightning.lit.media import media_loggers
 from aah_lightning.model.generate import GenerationConfig, generate
 
 
@@ -127,7 +127,8 @@ class GenerationWriter(BasePredictionWriter):
 
 
 class ValidationSample(L.Callback):
-    """``val/sample``: after every validation, a greedy continuation of ``prompt`` as TensorBoard text (rank 0)."""
+    """``val/sample``: after every validation, a greedy continuation of ``prompt`` as text (rank 0), for the loggers
+    that show text (TensorBoard, W&B); with none (e.g. CSVLogger alone) nothing is generated."""
 
     def __init__(self, prompt: str = "def ", max_new_tokens: int = 48, enabled: bool = True):
         """
@@ -149,9 +150,9 @@ class ValidationSample(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if not self.enabled or trainer.sanity_checking or not trainer.is_global_zero:
             return
-        tb = tensorboard(trainer)
+        media = media_loggers(trainer)
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-        if tb is None or tokenizer is None:  # no TensorBoard, or a synthetic task without text
+        if not media or tokenizer is None:  # no logger shows text, or a synthetic task without text
             return
         model = pl_module.model
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
@@ -162,5 +163,5 @@ class ValidationSample(L.Callback):
         ids, _ = encode_prompt(self.prompt, tokenizer, pl_module.hparams.seq_len)
         completion = generate(model, [ids], self.settings, tokenizer.eos_id)[0]
         text = self.prompt + tokenizer.decode(completion.tokens)
-        # Indented: TensorBoard renders text as Markdown, and a code block keeps whitespace and symbols as they are.
-        tb.experiment.add_text("val/sample", "\n".join("    " + line for line in text.split("\n")), trainer.global_step)
+        for sink in media:
+            sink.text("val/sample", text, trainer.global_step)

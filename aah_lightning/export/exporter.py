@@ -1,0 +1,246 @@
+"""``aah export``: a checkpoint of ``aah fit`` -> a folder that Hugging Face transformers loads.
+
+    aah export --ckpt_path runs/quickstart/checkpoints/last.ckpt --out exports/quickstart
+
+The folder holds ``config.json`` (the shape and the window table), ``model.safetensors`` (the weights, no pickles),
+the modeling code (``modeling_aah.py``, ``configuration_aah.py``: transformers and torch only), ``generation_config.json``,
+the tokenizer (``tokenizer.json``, ``tokenizer_config.json``: loads without remote code) and a model card
+(``README.md``). Load it with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``.
+
+Everything is read and checked before anything is written: the checkpoint is verified (complete archive, matching
+checksums) and unpickled weights-only, as everywhere in aah; an existing non-empty ``--out`` is refused. The folder is
+written under a temporary name next to ``--out`` and renamed into place at the end, so an interrupted export leaves
+no half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from aah_lightning.errors import ConfigError
+from aah_lightning.export import model_card
+from aah_lightning.export.tokenizer import TokenizerExport, prepare_tokenizer
+from aah_lightning.lit.checkpointing import load_checkpoint_file
+from aah_lightning.model.config import GPTConfig
+
+HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
+CODE_FILES = ("configuration_aah.py", "modeling_aah.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_aah.AAHConfig",
+    "AutoModel": "modeling_aah.AAHModel",
+    "AutoModelForCausalLM": "modeling_aah.AAHForCausalLM",
+}
+
+
+def _needs_transformers():
+    try:
+        import safetensors.torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"aah export needs transformers and safetensors ({e.name} is missing): pip install 'aah-lightning[hf]'"
+        ) from e
+
+
+@dataclass
+class ExportPlan:
+    """Everything an export writes, read and checked, in memory."""
+
+    ckpt_path: str
+    config: object  # AAHConfig (Hugging Face)
+    tensors: dict[str, torch.Tensor]
+    tokenizer: TokenizerExport | None
+    card: str
+
+
+def check_out(out: str) -> None:
+    """``out`` may be written: it does not exist (its parent is created), or is an empty folder."""
+    if os.path.isfile(out) or (os.path.exists(out) and not os.path.isdir(out)):
+        raise ConfigError(f"--out={out!r} is a file: name a new folder to export into")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ConfigError(f"--out={out!r} exists and is not empty: name a new or empty folder (nothing was written)")
+    parent = os.path.dirname(os.path.abspath(out))
+    existing = parent
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out={out!r} cannot be created: {existing} is not writable")
+
+
+def model_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The GPT's weights from a LightningModule state dict, named as the exported model names them (``model.*``;
+    compiled blocks' ``_orig_mod.`` dropped), and its window table. The output layer is the embedding matrix (tied),
+    so it is not stored twice."""
+    weights, windows = {}, None
+    for key, value in state_dict.items():
+        if not key.startswith("model."):
+            continue
+        name = key.replace("_orig_mod.", "")
+        if name == "model.windows":
+            windows = value
+        elif name != "model.lm_head.weight":
+            weights[name] = value
+    if windows is None or "model.wte.weight" not in weights:
+        raise ValueError("no GPT weights or window table (model.wte.weight, model.windows) in the state dict")
+    return weights, windows
+
+
+def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
+    from aah_lightning.export.hf_code.configuration_aah import AAHConfig
+
+    config = AAHConfig(
+        vocab_size=gpt.vocab_size,
+        hidden_size=gpt.n_embd,
+        num_hidden_layers=gpt.n_layer,
+        num_attention_heads=gpt.n_head,
+        intermediate_size=int(gpt.mlp_ratio * gpt.n_embd),
+        max_position_embeddings=gpt.seq_len,
+        rope_base=float(gpt.rope_base),
+        bias=gpt.bias,
+        windows=windows.tolist(),
+        document_mask=gpt.document_mask,
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
+        pad_token_id=eod_id,
+    )
+    config.architectures = ["AAHForCausalLM"]
+    config.auto_map = dict(AUTO_MAP)
+    return config
+
+
+def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
+    """Read and check everything an export needs; writes nothing. Raises ``ConfigError`` with one line."""
+    _needs_transformers()
+    if not os.path.exists(ckpt_path):
+        raise ConfigError(
+            f"--ckpt_path={ckpt_path!r} does not exist: pass a checkpoint file written by aah fit "
+            f"(e.g. runs/quickstart/checkpoints/last.ckpt)"
+        )
+    ckpt = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=weights_only, setting="--ckpt_path")
+    if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+        raise ConfigError(
+            f"--ckpt_path={ckpt_path!r} is not a checkpoint written by aah fit (no hyper_parameters/state_dict)"
+        )
+    hp = dict(ckpt["hyper_parameters"])
+    data = dict(ckpt.get("datamodule_hyper_parameters") or {})
+    try:
+        gpt = GPTConfig.from_settings(hp)
+        weights, windows = model_state(ckpt["state_dict"])
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"--ckpt_path={ckpt_path!r} does not describe an aah GPT ({e})") from e
+
+    tok = None
+    if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
+        tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size)
+    eod_id = tok.eod_id if tok is not None else gpt.vocab_size - 1  # synthetic: the id after the symbols
+    config = hf_config(gpt, windows, eod_id)
+
+    from aah_lightning.export.hf_code.modeling_aah import AAHForCausalLM
+
+    model = AAHForCausalLM(config)
+    try:
+        loaded = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than the hyperparameters say
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise ConfigError(
+            f"--ckpt_path={ckpt_path!r}: its weights do not match its hyperparameters ({lines[-1][:200]})"
+        ) from e
+    if loaded.missing_keys or loaded.unexpected_keys:
+        raise ConfigError(
+            f"--ckpt_path={ckpt_path!r}: its weights do not match its hyperparameters (missing "
+            f"{loaded.missing_keys[:3]}, unexpected {loaded.unexpected_keys[:3]})"
+        )
+    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    params = sum(t.numel() for t in tensors.values())
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params)
+    return ExportPlan(ckpt_path, config, tensors, tok, card)
+
+
+def write(plan: ExportPlan, out: str) -> None:
+    """Write ``plan`` to a temporary folder next to ``out``, then rename it to ``out``."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    check_out(out)
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        plan.config.save_pretrained(tmp)
+        eod = plan.config.eos_token_id
+        GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(tmp)
+        weights = os.path.join(tmp, "model.safetensors")
+        save_file(plan.tensors, weights, metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(weights, 0o666 & ~umask)  # safetensors creates it owner-only; like the other files instead
+        for name in CODE_FILES:
+            shutil.copyfile(os.path.join(HF_CODE, name), os.path.join(tmp, name))
+        if plan.tokenizer is not None:
+            plan.tokenizer.save(tmp, plan.config.max_position_embeddings)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(plan.card)
+        if os.path.isdir(out):  # an empty folder (check_out): replaced by the finished one
+            os.rmdir(out)
+        os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ConfigError(f"--out={out!r} could not be written ({e.strerror or e}); nothing was left there") from e
+        raise
+
+
+def export(ckpt_path: str, out: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
+    """Export checkpoint ``ckpt_path`` to folder ``out``; returns what was written."""
+    check_out(out)  # before the checkpoint is read: a refused folder costs nothing
+    plan = prepare(ckpt_path, tokenizer, weights_only)
+    write(plan, out)
+    return plan
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="aah export",
+        description="Export a checkpoint of aah fit as a Hugging Face transformers folder "
+        "(AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), AutoTokenizer.from_pretrained(DIR)).",
+    )
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint file written by aah fit (e.g. .../last.ckpt)")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer to ship: 'byte' or a Hugging Face tokenizer name, tokenizer.json or folder "
+        "(default: the checkpoint's data.tokenizer)",
+    )
+    p.add_argument(
+        "--weights_only",
+        default="true",
+        choices=["true", "false"],
+        help="false: also unpickle objects other than tensors (only for checkpoints you trust)",
+    )
+    args = p.parse_args(argv)
+    try:
+        plan = export(args.ckpt_path, args.out, args.tokenizer, args.weights_only == "true")
+    except ConfigError as e:
+        print(f"aah export: error: {e}", file=sys.stderr)
+        return 2
+    c = plan.config
+    tok = "no tokenizer (synthetic data)" if plan.tokenizer is None else f"tokenizer {plan.tokenizer.spec!r}"
+    params = sum(t.numel() for t in plan.tensors.values())
+    print(
+        f"exported {args.ckpt_path} -> {args.out}: {c.num_hidden_layers} layers x {c.num_attention_heads} heads, "
+        f"d={c.hidden_size}, {params / 1e6:.2f} M parameters, trained T={c.max_position_embeddings}, {tok}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

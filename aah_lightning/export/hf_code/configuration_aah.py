@@ -1,0 +1,83 @@
+"""Configuration of an aah GPT exported for Hugging Face transformers (copied into every export folder).
+
+Self-contained on purpose: an export folder must load with ``trust_remote_code=True`` on a machine without aah.
+
+Besides the usual shape fields, the config holds the model's **window table**: ``windows[l][h]`` is the causal
+window of head ``h`` in layer ``l``. Query ``i`` of that head attends to key ``j`` iff ``0 <= i - j < windows[l][h]``
+(``W`` keys including itself, fewer near the start). ``max_position_embeddings`` is the sequence length the model
+was trained at; a head whose window is at least that long saw its whole context in training.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+class AAHConfig(PretrainedConfig):
+    """Shape, window table and special tokens of an aah GPT (pre-norm blocks, rotary positions, tied embeddings)."""
+
+    model_type = "aah_gpt"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 257,
+        hidden_size: int = 128,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        intermediate_size: int = 512,
+        max_position_embeddings: int = 256,
+        rope_base: float = 10000.0,
+        layer_norm_eps: float = 1e-5,
+        bias: bool = False,
+        windows: list[list[int]] | None = None,
+        document_mask: bool = False,
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        bos_token_id: int | None = 256,
+        eos_token_id: int | None = 256,
+        pad_token_id: int | None = 256,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_base = rope_base
+        self.layer_norm_eps = layer_norm_eps
+        self.bias = bias
+        if windows is None:  # every head sees its whole trained context
+            windows = [[max_position_embeddings] * num_attention_heads for _ in range(num_hidden_layers)]
+        self.windows = [[int(w) for w in row] for row in windows]
+        # Recorded for the model card; the exported model does not mask across documents (see the modeling code).
+        self.document_mask = document_mask
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for a shape or window table the model cannot run."""
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError("the head size hidden_size / num_attention_heads must be even (rotary positions)")
+        shape = (len(self.windows), *{len(row) for row in self.windows})
+        if shape != (self.num_hidden_layers, self.num_attention_heads):
+            raise ValueError(
+                f"windows has shape {shape}, expected [num_hidden_layers, num_attention_heads] = "
+                f"[{self.num_hidden_layers}, {self.num_attention_heads}]"
+            )
+        if any(w < 1 for row in self.windows for w in row):
+            raise ValueError("every window must be at least 1 (a head always sees its own position)")

@@ -1,0 +1,264 @@
+"""An aah GPT for Hugging Face transformers: per-head causal attention windows (copied into every export folder).
+
+Self-contained on purpose (torch and transformers only): the export folder loads with
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` on a machine without aah.
+
+The network is aah's GPT, computed the same way: pre-norm blocks (LayerNorm, attention, LayerNorm, GELU MLP), rotary
+position embeddings in rotate-half form applied to queries and keys, no dropout, and an output layer that reuses the
+token embedding matrix. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
+window table in the config: query ``i`` of head ``h`` in layer ``l`` attends to key ``j`` iff
+``0 <= i - j < windows[l][h]``, with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
+Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to.
+
+Incremental decoding keeps every past key and value in a transformers ``Cache`` (``DynamicCache`` by default) and
+applies the same windows to it, so ``generate`` computes exactly what one forward pass over the whole text computes.
+The cache is not trimmed to the windows: it costs as much memory as a model without windows.
+
+Past the trained length (``max_position_embeddings``) the table still holds: a head whose window equals the trained
+length slides at that length. Documents are not masked from each other even for models trained with document
+masking (aah's own generation does not either): give the model one document at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_aah import AAHConfig
+
+# transformers renamed the cache argument and output field from ``past_key_values`` to ``cache`` (5.x); the model
+# accepts both names and fills the field the installed version defines.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[B, H, T, D]``: ``x * cos + (-x2, x1) * sin`` with ``x = (x1, x2)`` halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotary_tables(
+    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[B, 1, T, D]`` at integer positions ``[B, T]``, computed in float32 and cast to ``dtype``."""
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
+    )
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def window_masks(windows: torch.Tensor, past: int, length: int, key_padding: torch.Tensor | None) -> list[torch.Tensor]:
+    """One boolean mask per layer, ``[B or 1, H, length, past + length]``: True where query ``past + t`` may attend
+    to key ``j``, i.e. ``0 <= past + t - j < W[h]`` and key ``j`` is not padding. Layers with the same row of windows
+    share one mask.
+
+    A real token always sees itself (every window is at least 1), so only padding queries could be left without any
+    key, which would make their attention NaN; they are given their own position (their outputs are never used)."""
+    device = windows.device
+    query = torch.arange(past, past + length, device=device)
+    key = torch.arange(past + length, device=device)
+    distance = (query.view(-1, 1) - key.view(1, -1)).view(1, 1, length, past + length)
+    masks, built = [], {}
+    for row in windows:
+        key_of_row = tuple(row.tolist())
+        if key_of_row not in built:
+            allowed = (distance >= 0) & (distance < row.view(1, -1, 1, 1))
+            if key_padding is not None:
+                allowed = (allowed & key_padding.view(key_padding.shape[0], 1, 1, -1)) | (distance == 0)
+            built[key_of_row] = allowed
+        masks.append(built[key_of_row])
+    return masks
+
+
+class AAHAttention(nn.Module):
+    def __init__(self, config: AAHConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.bias)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
+
+    def forward(self, x, cos, sin, mask, cache: Cache | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        if cache is not None:  # keys are cached after the rotation, at their absolute positions
+            k, v = cache.update(k, v.contiguous(), self.layer_idx)
+        y = F.scaled_dot_product_attention(q, k, v.contiguous(), attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class AAHMLP(nn.Module):
+    def __init__(self, config: AAHConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class AAHBlock(nn.Module):
+    def __init__(self, config: AAHConfig, layer_idx: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = AAHAttention(config, layer_idx)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = AAHMLP(config)
+
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, mask, cache)
+        return x + self.mlp(self.ln2(x))
+
+
+class AAHPreTrainedModel(PreTrainedModel):
+    config_class = AAHConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["AAHBlock"]
+    supports_gradient_checkpointing = False
+
+
+class AAHModel(AAHPreTrainedModel):
+    """The decoder without the output layer: token ids -> final hidden states (after the last LayerNorm)."""
+
+    def __init__(self, config: AAHConfig):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(AAHBlock(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """The window table ``int32 [n_layer, n_head]`` (read from the config, which is what gets saved)."""
+        return torch.tensor(self.config.windows, dtype=torch.int32)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"the cache must be a transformers Cache (e.g. DynamicCache), not {type(cache).__name__}")
+        past = cache.get_seq_length() if cache is not None else 0
+
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=x.device).unsqueeze(0).expand(B, T)
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        cos, sin = rotary_tables(position_ids, head_dim, self.config.rope_base, x.dtype)
+
+        key_padding = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError("attention_mask must be 2-D [batch, past + new tokens] (1 = token, 0 = padding)")
+            if attention_mask.shape[1] != past + T:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[1]} tokens; the cache and the input hold {past + T}"
+                )
+            key_padding = attention_mask.to(device=x.device, dtype=torch.bool)
+            if bool(key_padding.all()):
+                key_padding = None
+        masks = window_masks(self.windows.to(x.device), past, T, key_padding)
+
+        for block, mask in zip(self.blocks, masks):
+            x = block(x, cos, sin, mask, cache)
+        x = self.ln_f(x)
+        out = BaseModelOutputWithPast(last_hidden_state=x, **{_CACHE_FIELD: cache if use_cache else None})
+        return out if return_dict is not False else out.to_tuple()
+
+
+class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
+    """The aah GPT with its output layer: logits over the vocabulary, from the token embedding matrix."""
+
+    def __init__(self, config: AAHConfig):
+        super().__init__(config)
+        self.model = AAHModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.wte = value
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """The window table ``int32 [n_layer, n_head]``."""
+        return self.model.windows
+
+    def set_windows(self, table) -> None:
+        """Replace the window table (``[n_layer, n_head]`` ints >= 1); ``save_pretrained`` then saves the new one."""
+        rows = [[int(w) for w in row] for row in torch.as_tensor(table).tolist()]
+        old = self.config.windows
+        self.config.windows = rows
+        try:
+            self.config.check()
+        except ValueError:
+            self.config.windows = old
+            raise
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """Logits ``[B, T, vocab]`` (only the last ``logits_to_keep`` positions when it is > 0). With ``labels``
+        (``[B, T]``, -100 = ignore), also the mean next-token cross-entropy: position ``t`` predicts label ``t + 1``."""
+        hidden = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        x = hidden.last_hidden_state
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = F.linear(x, self.model.wte.weight)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+            )
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: hidden.get(_CACHE_FIELD)})
+        return out if return_dict is not False else out.to_tuple()
+
+
+__all__ = ["AAHConfig", "AAHForCausalLM", "AAHModel", "AAHPreTrainedModel"]

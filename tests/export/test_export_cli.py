@@ -1,0 +1,158 @@
+"""``aah export`` end to end on a real ``aah fit`` checkpoint, and every refusal: one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from aah_lightning.cli import main
+from aah_lightning.lit.checkpointing import load_checkpoint_file
+
+EXPECTED_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "configuration_aah.py",
+    "modeling_aah.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+}
+
+
+class Payload:
+    """An object a weights-only load refuses to unpickle."""
+
+
+def run_export(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["export", *args])
+    captured = capsys.readouterr()
+    return exc.value.code, captured.out, captured.err
+
+
+def test_export_of_a_fitted_checkpoint(fitted_checkpoint, tmp_path, capsys):
+    out = tmp_path / "hf"
+    code, printed, err = run_export(["--ckpt_path", fitted_checkpoint, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert printed.startswith(f"exported {fitted_checkpoint} -> {out}: 2 layers x 4 heads")
+    assert set(os.listdir(out)) == EXPECTED_FILES
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".hf.partial")]  # the temporary folder is gone
+
+    ckpt = load_checkpoint_file(fitted_checkpoint, weights_only=True)
+    table = ckpt["state_dict"]["model.windows"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["windows"] == table.tolist() and set(table.flatten().tolist()) <= {8, 16, 32, 64}
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_aah.AAHForCausalLM"
+    assert (config["max_position_embeddings"], config["eos_token_id"], config["vocab_size"]) == (64, 256, 257)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:  # the output layer is the embedding
+        assert "model.wte.weight" in f.keys() and not any("lm_head" in k or "windows" in k for k in f.keys())
+    for name in ("modeling_aah.py", "configuration_aah.py"):  # self-contained: runs without aah
+        assert "aah_lightning" not in (out / name).read_text()
+
+    card = (out / "README.md").read_text()
+    assert "- ACR (mean over heads of min(W, T) / T, T = 64): **" in card
+    assert "causal coverage" in card and "trust_remote_code=True" in card and '"policy": "random"' in card
+    assert "optimizer step 4" in card
+
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.randint(0, 257, (2, 64))
+    from aah_lightning.lit.module import AAHModule
+
+    aah = AAHModule.from_checkpoint(ckpt).model.eval()
+    with torch.no_grad():
+        assert (model(ids).logits - aah(ids)).abs().max().item() <= 1e-5
+
+
+def refused(args, capsys, tmp_path) -> str:
+    before = sorted(os.listdir(tmp_path))
+    code, printed, err = run_export(args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and printed == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("aah export: error: ")
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, not even a temporary folder
+    return lines[0]
+
+
+def test_refuses_what_cannot_be_exported(make_module, write_checkpoint, tmp_path, capsys):
+    good = write_checkpoint(make_module(seed=0), tmp_path / "good.ckpt")
+    out = str(tmp_path / "out")
+
+    line = refused(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", out], capsys, tmp_path)
+    assert "missing.ckpt" in line and "does not exist" in line
+
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(open(good, "rb").read()[:5000])
+    line = refused(["--ckpt_path", str(truncated), "--out", out], capsys, tmp_path)
+    assert "truncated or not a PyTorch checkpoint" in line
+
+    unsafe = tmp_path / "unsafe.ckpt"
+    torch.save({"hyper_parameters": {}, "state_dict": {}, "x": Payload()}, unsafe, pickle_module=pickle)
+    line = refused(["--ckpt_path", str(unsafe), "--out", out], capsys, tmp_path)
+    assert "could run arbitrary code" in line and "--weights_only false" in line
+
+    other = tmp_path / "other.ckpt"
+    torch.save({"weights": torch.zeros(3)}, other)
+    line = refused(["--ckpt_path", str(other), "--out", out], capsys, tmp_path)
+    assert "not a checkpoint written by aah fit" in line
+
+    ckpt = torch.load(good, weights_only=True)
+    ckpt["hyper_parameters"]["n_embd"] = 64  # weights of another shape than the hyperparameters say
+    mismatched = tmp_path / "mismatched.ckpt"
+    torch.save(ckpt, mismatched)
+    line = refused(["--ckpt_path", str(mismatched), "--out", out], capsys, tmp_path)
+    assert "do not match its hyperparameters" in line
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    line = refused(["--ckpt_path", good, "--out", str(busy)], capsys, tmp_path)
+    assert "exists and is not empty" in line
+    assert os.listdir(busy) == ["keep.txt"]
+
+    line = refused(["--ckpt_path", good, "--out", str(busy / "keep.txt")], capsys, tmp_path)
+    assert "is a file" in line
+
+    line = refused(
+        ["--ckpt_path", good, "--out", out, "--tokenizer", str(tmp_path / "no" / "tok.json")], capsys, tmp_path
+    )
+    assert "no such file or folder" in line
+
+
+def test_an_empty_out_folder_is_used_and_parents_are_created(make_module, write_checkpoint, tmp_path, capsys):
+    good = write_checkpoint(make_module(seed=0), tmp_path / "good.ckpt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_export(["--ckpt_path", good, "--out", str(empty)], capsys)[0] == 0
+    assert set(os.listdir(empty)) == EXPECTED_FILES
+    nested = tmp_path / "a" / "b" / "c"
+    assert run_export(["--ckpt_path", good, "--out", str(nested)], capsys)[0] == 0
+    assert set(os.listdir(nested)) == EXPECTED_FILES
+    shutil.rmtree(tmp_path / "a")
+
+
+def test_synthetic_checkpoint_exports_without_a_tokenizer(make_module, write_checkpoint, tmp_path, capsys):
+    module = make_module(seed=5)
+    ckpt = write_checkpoint(module, tmp_path / "syn.ckpt", source="synthetic")
+    code, printed, _ = run_export(["--ckpt_path", ckpt, "--out", str(tmp_path / "syn")], capsys)
+    assert code == 0 and "no tokenizer (synthetic data)" in printed
+    assert not (tmp_path / "syn" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "syn" / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_compiled_block_names_and_the_tied_output_layer_are_mapped(make_module, write_checkpoint, tmp_path):
+    from aah_lightning.export.exporter import model_state
+
+    state = make_module(seed=6).state_dict()
+    compiled = {k.replace("model.blocks.0.", "model.blocks.0._orig_mod."): v for k, v in state.items()}
+    weights, windows = model_state(compiled)
+    assert "model.blocks.0.attn.qkv.weight" in weights and not any("_orig_mod" in k for k in weights)
+    assert "model.lm_head.weight" not in weights and torch.equal(windows, state["model.windows"])
+    assert set(weights) == {k for k in state if k.startswith("model.")} - {"model.lm_head.weight", "model.windows"}

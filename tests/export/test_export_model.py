@@ -1,0 +1,111 @@
+"""The exported model computes what aah's model computes: logits, incremental decoding, greedy generation, and a
+window table that survives save_pretrained / from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from aah_lightning.model import generate as gen
+from helpers.cli import run_tool
+
+PROMPTS = [
+    "def fib(n):\n    ",
+    "import os\nimport sys\n\n\nclass Reader:\n    def __init__(self, path):\n        self.p",
+]
+
+
+def load(folder: str):
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+
+
+def test_logits_equal_aah_with_random_windows_shorter_than_the_prompt(exported, make_module):
+    module = make_module(seed=0, seq_len=64)
+    windows = module.model.windows
+    assert int(windows.min()) == 1 and (windows < 40).sum() >= 3 and (windows >= 64).any()  # short and full heads
+    hf = load(exported(module))
+    assert type(hf).__name__ == "AAHForCausalLM" and hf.dtype == torch.float32
+    assert hf.config.windows == windows.tolist()
+    ids = torch.randint(0, 257, (3, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = hf(ids).logits
+        for backend in ("sdpa", "auto"):
+            want = module.model(ids, backend=backend)
+            assert (got - want).abs().max().item() <= 1e-5, backend
+        # A head's window matters: the same weights with every window full give other logits.
+        full = make_module(seed=0, seq_len=64, table=torch.full((3, 4), 64)).model(ids)
+        assert (full - got).abs().max().item() > 1e-2
+
+
+def test_incremental_decoding_with_a_cache_equals_one_forward(exported, make_module):
+    hf = load(exported(make_module(seed=1)))
+    ids = torch.randint(0, 257, (2, 90), generator=torch.Generator().manual_seed(1))  # past the trained T = 64
+    with torch.no_grad():
+        whole = hf(ids, use_cache=False).logits
+        cache = DynamicCache()
+        parts = [hf(ids[:, a:b], past_key_values=cache).logits for a, b in ((0, 37), (37, 38), (38, 90))]
+    assert (torch.cat(parts, 1) - whole).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        loss = hf(ids, labels=ids).loss
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(whole[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
+
+def test_greedy_generate_equals_aah_generation(exported, make_module):
+    module = make_module(seed=2)
+    folder = exported(module)
+    hf = load(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    assert all(p[0] == 256 for p in prompts)  # the end-of-document token first, as aah's prompts start
+    cfg = gen.GenerationConfig(max_new_tokens=60, temperature=0.0)
+    want = gen.generate(module.model, prompts, cfg, eod_id=256)
+    for prompt, w in zip(prompts, want):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False)[0, len(prompt) :].tolist()
+        assert len(set(out)) > 5  # varied text: the comparison is not between two runs of one repeated token
+        assert out[: len(w.tokens)] == w.tokens
+        assert (w.stop, out[len(w.tokens) :]) in (("length", []), ("eod", [256]))
+        assert len(prompt) + len(out) > 64  # generation ran past the trained length
+
+    # A batch with left padding (how lm-eval and most users batch) generates the same continuations.
+    tok.padding_side = "left"
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    out = hf.generate(**batch, max_new_tokens=60, do_sample=False)[:, batch.input_ids.shape[1] :]
+    for row, w in zip(out.tolist(), want):
+        assert row[: len(w.tokens)] == w.tokens
+
+
+def test_greedy_generate_equals_tools_generate(exported, make_module, write_checkpoint, tmp_path, capsys):
+    module = make_module(seed=3)
+    ckpt = write_checkpoint(module, tmp_path / "m.ckpt")
+    folder = exported(module, name="tool")
+    prompt = "def fib(n):\n    "
+    assert run_tool("generate", ckpt, "--prompt", prompt, "--max-new-tokens", "50", "--temperature", "0") == 0
+    printed = capsys.readouterr().out
+    hf, tok = load(folder), AutoTokenizer.from_pretrained(folder)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = hf.generate(ids, max_new_tokens=50, do_sample=False)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    assert len(text) > len(prompt) + 5
+    assert printed == text + "\n"
+
+
+def test_window_table_survives_save_pretrained_and_from_pretrained(exported, make_module, tmp_path):
+    hf = load(exported(make_module(seed=4)))
+    table = [[5, 1, 64, 9], [2, 33, 17, 64], [64, 3, 3, 12]]
+    hf.set_windows(table)
+    hf.save_pretrained(tmp_path / "again")
+    with open(tmp_path / "again" / "config.json") as f:
+        assert json.load(f)["windows"] == table
+    assert not any(name.endswith((".bin", ".pt", ".pth", ".pkl")) for name in os.listdir(tmp_path / "again"))
+    again = load(str(tmp_path / "again"))
+    assert again.windows.tolist() == table and again.windows.dtype == torch.int32
+    ids = torch.randint(0, 257, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    with pytest.raises(ValueError, match="shape"):
+        hf.set_windows([[1, 2], [3, 4]])
+    assert hf.windows.tolist() == table  # a refused table leaves the old one
