@@ -18,7 +18,7 @@ from aah_lightning import validation
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
-from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, widen_full_windows
+from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
@@ -59,6 +59,15 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean loss over the targets that count: all, or those of ``loss_mask`` (the recall task's predictable
+    targets; data/recall.py)."""
+    if mask is None:
+        return losses.mean()
+    mask = mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
 class AAHModule(L.LightningModule):
@@ -124,6 +133,7 @@ class AAHModule(L.LightningModule):
         self.test_loss = MeanMetric()
         self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
         self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
+        self.val_recall, self.test_recall = RecallAccuracy(seq_len), RecallAccuracy(seq_len)  # recall task batches
         self.table_sync = distributed.WindowTableSync()
         self._prepared = False
         self._rng_to_restore = None
@@ -151,16 +161,18 @@ class AAHModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(tokens, doc_ids)
 
-    def _token_losses(self, batch) -> torch.Tensor:
-        """``[B, T]``: the cross-entropy of each next-token prediction."""
+    def _token_losses(self, batch, recall: RecallAccuracy | None = None) -> torch.Tensor:
+        """``[B, T]``: the cross-entropy of each next-token prediction (``recall``: also scores the recall answers)."""
         inputs, targets, docs = split_batch(batch)
         logits = self.model(inputs, docs)
         # Classes last and rows contiguous, as in the usual flattened form (the fast kernel path on every device).
         losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        if recall is not None and "recall_distance" in batch:
+            recall.update(logits.detach(), targets, batch["recall_distance"])
         return losses.view_as(targets)
 
     def _loss(self, batch) -> torch.Tensor:
-        return self._token_losses(batch).mean()
+        return _masked_mean(self._token_losses(batch), batch.get("loss_mask"))
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
@@ -190,12 +202,23 @@ class AAHModule(L.LightningModule):
         return mean
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        losses = self._token_losses(batch)
-        loss = losses.mean()
-        self.val_loss.update(loss, weight=batch["tokens"].shape[0])
-        self.val_position_loss.update(losses)
+        self._evaluate(batch, self.val_loss, self.val_position_loss, self.val_bpb, self.val_recall)
+
+    def _evaluate(self, batch, mean: MeanMetric, positions: PositionLoss, bpb: BitsPerByte, recall) -> None:
+        losses = self._token_losses(batch, recall)
+        mask = batch.get("loss_mask")
+        loss = _masked_mean(losses, mask)
+        mean.update(loss, weight=batch["tokens"].shape[0] if mask is None else mask.sum())
+        positions.update(losses, mask)
         if "bytes" in batch:
-            self.val_bpb.update(loss, losses.numel(), batch["bytes"])
+            bpb.update(loss, losses.numel(), batch["bytes"])
+
+    def _log_recall(self, prefix: str, recall: RecallAccuracy) -> None:
+        if recall.count.sum() > 0:
+            scores = recall.compute()
+            self.log(f"{prefix}/recall_acc", scores.pop("all"))
+            self.log_dict({f"{prefix}/recall_acc_by_distance/{k}": v for k, v in scores.items()})
+        recall.reset()
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -207,14 +230,10 @@ class AAHModule(L.LightningModule):
         if self.val_bpb.update_count:
             self.log("val/bpb", self.val_bpb.compute().float())
             self.val_bpb.reset()
+        self._log_recall("val", self.val_recall)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        losses = self._token_losses(batch)
-        loss = losses.mean()
-        self.test_loss.update(loss, weight=batch["tokens"].shape[0])
-        self.test_position_loss.update(losses)
-        if "bytes" in batch:
-            self.test_bpb.update(loss, losses.numel(), batch["bytes"])
+        self._evaluate(batch, self.test_loss, self.test_position_loss, self.test_bpb, self.test_recall)
 
     def on_test_epoch_end(self) -> None:
         loss = self.test_loss.compute()
@@ -226,6 +245,7 @@ class AAHModule(L.LightningModule):
         if self.test_bpb.update_count:
             self.log("test/bpb", self.test_bpb.compute().float())
             self.test_bpb.reset()
+        self._log_recall("test", self.test_recall)
 
     def predict_step(self, batch: dict, batch_idx: int) -> list:
         """Continue every prompt of the batch (data/prompts.py) with the per-head window KV cache."""

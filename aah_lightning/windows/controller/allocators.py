@@ -90,11 +90,12 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
     h = inputs.hierarchy
     K = len(inputs.candidates)
 
-    def need(group: list[int]) -> int:  # a group's profile: the mean over the heads below it
-        # The dead band applies to a group whose heads all hold one window; a group of heads that held different
-        # windows is a new decision.
+    def need(group: list[int], level: int) -> int:  # a group's profile: the mean over the heads below it
+        # The window a group holds: at level 0 the one window all its heads hold (heads that held different windows
+        # form a new group, a new decision); above, the widest window below it, which is what a parent allows.
         held = None if inputs.current is None else {inputs.current[i] for i in group}
-        held = held.pop() if held is not None and len(held) == 1 else None
+        if held is not None:
+            held = max(held) if level > 0 else (held.pop() if len(held) == 1 else None)
         band = inputs.settle_margin
         if isinstance(band, Tensor) and band.dim() == 2:  # per head: a group's band is the mean of its heads'
             band = band[group].mean(0)
@@ -102,11 +103,11 @@ def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
 
     top = len(h.levels) - 1
     chosen: list[list[int]] = [[] for _ in h.levels]
-    chosen[top] = [need(g) for g in h.levels[top]]
+    chosen[top] = [need(g, top) for g in h.levels[top]]
     for level in range(top - 1, -1, -1):
         parents = h.parents(level)
         chosen[level] = [
-            min(need(group), chosen[level + 1][p] if inputs.parent_constraint else K - 1)
+            min(need(group, level), chosen[level + 1][p] if inputs.parent_constraint else K - 1)
             for group, p in zip(h.levels[level], parents)
         ]
     return chosen
