@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 
 import datasets  # noqa: F401  imported now, not first inside a capsys test: its log handler keeps the stream it saw
@@ -73,3 +74,21 @@ def subprocess_env() -> dict:
 
 
 PYTHON = sys.executable
+
+
+def run_tool(name: str, *args: str) -> int:
+    """``python tools/<name>.py ARGS`` in this process (no new interpreter to start): the tool's exit status, as the
+    shell would see it (a message given to sys.exit goes to stderr, status 1)."""
+    path = os.path.join(REPO, "tools", f"{name}.py")
+    argv = sys.argv
+    sys.argv = [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = argv
+    return 0

@@ -1,6 +1,8 @@
-"""A float64 dense reference for attention with per-head windows, written from the spec (not from the code).
+"""The attention mask written from the spec (not from the code), and random per-head windows for the tests.
 
-Query i of head h may attend to key j iff 0 <= i - j < W[h] (and, with documents, doc[i] == doc[j]).
+Query i of head h may attend to key j iff 0 <= i - j < W[h] (and, with documents, doc[i] == doc[j]). The float64
+reference attention is the package's (``aah_lightning.model.attention.reference``, built from the mask_mod);
+tests/test_masks.py holds the mask_mod to this mask.
 """
 
 import torch
@@ -15,14 +17,6 @@ def allowed(windows, seq_len, doc_ids=None):
     if doc_ids is not None:
         m = m & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
     return m
-
-
-def reference_attention(q, k, v, windows, doc_ids=None):
-    """Explicit masked softmax in float64: q, k, v [B, H, T, D] -> [B, H, T, D]."""
-    q, k, v = q.double(), k.double(), v.double()
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~allowed(windows, q.shape[2], doc_ids), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
 
 
 def random_windows(heads, seq_len, generator):

@@ -2,7 +2,7 @@
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aah_lightning.reporting import event_files
+from aah_lightning.experiments.records import event_files
 
 
 def read_events(log_root):

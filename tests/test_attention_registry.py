@@ -19,9 +19,9 @@ from aah_lightning.model.attention import (
     resolve_backend,
 )
 from aah_lightning.model.attention.banded import band_pairs
+from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
-from reference import reference_attention
 
 CPU = torch.device("cpu")
 

@@ -15,9 +15,10 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model import window_math
 from aah_lightning.model.attention import AttentionPlanner, registry, resolve_backend, split, varlen
+from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
-from reference import allowed, random_windows, reference_attention
+from reference import allowed, random_windows
 
 CPU = torch.device("cpu")
 

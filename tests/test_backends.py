@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from aah_lightning.model.attention import AttentionPlanner, BackendUnavailable, resolve_backend
+from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
-from reference import random_windows, reference_attention
+from reference import random_windows
 
 SEQ_LENS = [1, 7, 130, 257]
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from aah_lightning.model.attention import AttentionPlanner, banded, resolve_backend
-from reference import random_windows, reference_attention
+from aah_lightning.model.attention.reference import reference_attention
+from reference import random_windows
 
 
 def random_qkv(B, H, T, D, seed, dtype=torch.float64):

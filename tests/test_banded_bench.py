@@ -2,12 +2,14 @@
 
 import pytest
 
-from tools import bench
+from _cli_helpers import run_tool
 
 
 @pytest.mark.heavy  # an end-to-end tool run (~15 s on a quiet 2-core machine)
 def test_bench_tiny_sections_b_and_d(capsys):
-    bench.main(["--sections", "bd", "--train-seq-len", "256", "--train-repeats", "1", "--repeats", "1"])
+    assert (
+        run_tool("bench", "--sections", "bd", "--train-seq-len", "256", "--train-repeats", "1", "--repeats", "1") == 0
+    )
     out = capsys.readouterr().out
     assert "(b) training step" in out and "auto -> banded" in out and "auto -> causal" in out
     assert "(d) mask rebuild" in out and "| banded |" in out

@@ -3,11 +3,10 @@
 import csv
 from pathlib import Path
 
-import pytest
+from _cli_helpers import run_tool
+from aah_lightning.experiments.records import COLUMNS
 
-from tools import compare_suites, suite
-
-FIELDS = ["row", "seed", "wall_s", *suite.COLUMNS]  # the columns tools/suite.py writes
+FIELDS = ["row", "seed", "wall_s", *COLUMNS]  # the columns tools/suite.py writes
 
 
 def write(folder: Path, rows: dict[tuple[str, int], tuple[float, float]]) -> Path:
@@ -48,7 +47,7 @@ def test_paired_differences_of_both_suites_and_how_they_moved(tmp_path, capsys):
             ("fixed_w", 2): (1.6, 0.02),
         },
     )
-    compare_suites.main([str(short), str(long), "--names", "short", "long"])
+    assert run_tool("compare_suites", str(short), str(long), "--names", "short", "long") == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("command: python ")
@@ -75,6 +74,6 @@ def test_paired_differences_of_both_suites_and_how_they_moved(tmp_path, capsys):
     assert "fixed_w: seed(s) 2" in out and "baseline: seed(s) 2" in out
 
 
-def test_a_folder_without_results_is_one_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="results.csv does not exist"):
-        compare_suites.main([str(tmp_path), str(tmp_path)])
+def test_a_folder_without_results_is_one_clear_error(tmp_path, capsys):
+    assert run_tool("compare_suites", str(tmp_path), str(tmp_path)) == 1
+    assert "results.csv does not exist" in capsys.readouterr().err

@@ -11,10 +11,10 @@ from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.evaluation import PositionLoss, bucket_of, widen_full_windows
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from aah_lightning.windows.config import AAHConfig
-from reference import reference_attention
 from tb import read_events
 
 

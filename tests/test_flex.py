@@ -7,7 +7,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from aah_lightning.model import masks
 from aah_lightning.model.attention import AttentionPlanner, flex
 from aah_lightning.model.attention.flex import FlexPlan, balanced_order
-from reference import reference_attention
+from aah_lightning.model.attention.reference import reference_attention
 from test_banded import random_qkv
 
 

@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
-from _cli_helpers import cli_error, tiny_config, train_tiny
+from _cli_helpers import cli_error, run_tool, tiny_config, train_tiny
 from aah_lightning.cli import main
 from aah_lightning.data import prompts as prompt_data
 from aah_lightning.data.tokenizers import ByteTokenizer
 from aah_lightning.errors import ConfigError
 from tb import read_events
-from tools import generate as generate_tool
 
 CORPUS = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n" * 40
 
@@ -98,12 +97,12 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
     assert tok.decode(direct[0].tokens) == rows[1]["completion"]
 
     # The quick form: same checkpoint, same greedy continuation; a bad setting is one line and exit code 2.
-    quick = generate_tool.main
     capsys.readouterr()
-    assert quick([f"{tmp_path}/ckpts/last.ckpt", "--prompt", "def add(", "--max-new-tokens=7", "--temperature=0"]) == 0
+    ckpt = f"{tmp_path}/ckpts/last.ckpt"
+    assert run_tool("generate", ckpt, "--prompt", "def add(", "--max-new-tokens=7", "--temperature=0") == 0
     out, err = capsys.readouterr()
     assert out == "def add(" + rows[0]["completion"] + "\n" and "KV cache" in err
-    assert quick([f"{tmp_path}/ckpts/last.ckpt", "--top-p=0"]) == 2
+    assert run_tool("generate", ckpt, "--top-p=0") == 2
     assert capsys.readouterr().err.strip() == "generate: error: --top-p=0.0 is not allowed: in (0, 1] (1 = off)"
 
 

@@ -1,21 +1,17 @@
-"""tools/gpu_tune.py's code paths on CPU (--smoke: tiny shapes, float32, CPU kernels); the numbers mean nothing."""
+"""tools/gpu_tune.py's code paths (aah_lightning/benchmarks/gpu_tune.py) on CPU (--smoke: tiny shapes, float32, CPU kernels); the numbers mean nothing."""
 
 import json
 
 import pytest
 
-from tools import gpu_tune
-
-
-def load_tool():
-    return gpu_tune
+from _cli_helpers import run_tool
+from aah_lightning.benchmarks import gpu_tune as tune
 
 
 @pytest.mark.heavy  # an end-to-end tool run (~15-30 s on a busy 2-core machine)
 def test_gpu_tune_smoke_writes_one_report(tmp_path, capsys, monkeypatch):
-    tune = load_tool()
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert tune.main(["--smoke"]) == 0
+    assert run_tool("gpu_tune", "--smoke") == 0
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "gpu_tune.json").read_text())
     assert results["smoke"] and not results["errors"] and not results["skipped"]
@@ -45,7 +41,6 @@ def test_gpu_tune_tuning_stage_code_path(monkeypatch):
 
     from aah_lightning.model.attention import banded
 
-    tune = load_tool()
     monkeypatch.setattr(tune, "candidate_plan", lambda options, block, row, T, device: banded.build_plan(row, T))
     args = argparse.Namespace(seq_lens=[64], batch=1, heads=4, head_dim=8, repeats=1, stage_estimate=0.0)
     run = tune.Run(budget=60)

@@ -1,4 +1,4 @@
-"""tools/inspect_windows.py on real checkpoints of a tiny run."""
+"""tools/inspect_windows.py (aah_lightning/windows/inspection.py) on real checkpoints of a tiny run."""
 
 import csv
 import os
@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from _cli_helpers import run_tool
 from aah_lightning.cli import main as aah
 from aah_lightning.model import masks
 from aah_lightning.windows import metrics, plots
-from tools import inspect_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def read_csv(path):
 
 
 def test_csv_and_map_match_the_checkpoint(checkpoint, tmp_path, capsys):
-    assert inspect_windows.main([str(checkpoint), "--out", str(tmp_path)]) == 0
+    assert run_tool("inspect_windows", str(checkpoint), "--out", str(tmp_path)) == 0
     table = torch.load(checkpoint, weights_only=True)["state_dict"]["model.windows"]
     rows = read_csv(tmp_path / "windows.csv")
     assert [(int(r["layer"]), int(r["head"]), int(r["window"])) for r in rows] == [
@@ -68,7 +68,7 @@ def test_groups_come_from_the_checkpointed_policy_state(checkpoint, tmp_path, ca
     ckpt["hyper_parameters"]["aah"]["policy"] = "adaptive"  # the policy whose state this is
     edited = tmp_path / "grouped.ckpt"
     torch.save(ckpt, edited)
-    assert inspect_windows.main([str(edited), "--out", str(tmp_path / "out"), "--block-size", "8"]) == 0
+    assert run_tool("inspect_windows", str(edited), "--out", str(tmp_path / "out"), "--block-size", "8") == 0
     groups = [int(r["group"]) for r in read_csv(tmp_path / "out" / "windows.csv")]
     assert groups == [0, 1, 1, 0, 0, 1, 1, 1]
     out = capsys.readouterr().out
@@ -78,7 +78,9 @@ def test_groups_come_from_the_checkpointed_policy_state(checkpoint, tmp_path, ca
 
 
 def test_mask_picture_of_one_head(checkpoint, tmp_path):
-    assert inspect_windows.main([str(checkpoint), "--out", str(tmp_path), "--mask", "1", "2", "--seq-len", "40"]) == 0
+    assert (
+        run_tool("inspect_windows", str(checkpoint), "--out", str(tmp_path), "--mask", "1", "2", "--seq-len", "40") == 0
+    )
     with Image.open(tmp_path / "mask_layer1_head2.png") as image:
         assert image.size == (640, 680)
     # the picture's mask is the layer's mask_mod, head 2
@@ -86,7 +88,7 @@ def test_mask_picture_of_one_head(checkpoint, tmp_path):
     dense = masks.dense_mask(masks.window_mask_mod(row), 1, 4, 40, "cpu")[0, 2]
     assert torch.equal(plots.head_mask(row, 2, 40), dense)
     # out of range: one line, exit code 2
-    assert inspect_windows.main([str(checkpoint), "--out", str(tmp_path), "--mask", "2", "0"]) == 2
+    assert run_tool("inspect_windows", str(checkpoint), "--out", str(tmp_path), "--mask", "2", "0") == 2
 
 
 def test_runs_as_a_command(checkpoint, tmp_path):

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from aah_lightning.model.attention.reference import parity_limit, reference_attention
 from aah_lightning.model.masks import dense_mask, window_block_mask, window_mask_mod
 from reference import allowed, random_windows
 
@@ -20,6 +21,27 @@ def test_document_mask_keeps_queries_inside_their_document():
     got = dense_mask(window_mask_mod(w, docs), 2, 2, 8, "cpu")
     assert torch.equal(got, allowed(w, 8, docs))
     assert not got[0, 0, 3, 2]  # first token of document 1 cannot see document 0
+
+
+def test_the_float64_reference_is_the_masked_softmax_of_the_spec():
+    # Every backend is held to the package's reference, which is built from the mask_mod: here it meets a softmax over
+    # the mask written from the spec, with and without documents, windows past T included.
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 6, 37, 8
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    w = random_windows(H, T, g)
+    docs = torch.randint(0, 3, (B, T), generator=g).sort(-1).values
+    for doc_ids in (None, docs):
+        scores = q.double() @ k.double().transpose(-1, -2) / D**0.5
+        want = torch.softmax(scores.masked_fill(~allowed(w, T, doc_ids), float("-inf")), dim=-1) @ v.double()
+        got = reference_attention(q, k, v, w, doc_ids)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_parity_allows_twice_sdpas_error_or_the_floor_of_the_dtype():
+    assert parity_limit(1e-6, torch.float32) == 1e-4 and parity_limit(1e-3, torch.float32) == 2e-3
+    assert parity_limit(1e-3, torch.bfloat16) == 2e-2 and parity_limit(0.05, torch.bfloat16) == 0.1
 
 
 def reference_tiles(w, seq_len, block_size):

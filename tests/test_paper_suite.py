@@ -1,15 +1,19 @@
-"""tools/suite.py end to end: a 2-row x 2-seed micro-suite of real (tiny) runs, and its table checked against the
-runs' TensorBoard events read back independently with tests/tb.py."""
+"""tools/suite.py end to end: a 2-row x 2-seed micro-suite of real (tiny) runs through its command line, and its
+table (written by aah_lightning/experiments) checked against the runs' TensorBoard events read back independently
+with tests/tb.py."""
 
 import csv
 import math
 import os
+import shlex
 import statistics
 
 import pytest
 
+from _cli_helpers import run_tool
+from aah_lightning.experiments.records import COLUMNS, interrupted_time, read_scalars
+from aah_lightning.experiments.stats import mean_curve
 from tb import read_events
-from tools import suite
 
 BASE = """\
 seed_everything: 0
@@ -77,7 +81,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     (rows_dir / "base.yaml").write_text(BASE)
     for name, text in ROWS.items():
         (rows_dir / f"{name}.yaml").write_text(text)
-    suite.main(["--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out)])
+    assert run_tool("suite", "--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out)) == 0
 
     # every run's events, read independently of the suite
     events = {(r, s): read_events(out / r / f"seed{s}") for r in ROWS for s in SEEDS}
@@ -86,7 +90,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     with open(out / "results.csv") as f:
         records = list(csv.DictReader(f))
     assert [(x["row"], int(x["seed"])) for x in records] == [(r, s) for r in sorted(ROWS) for s in SEEDS]
-    assert set(records[0]) == {"row", "seed", "wall_s", *suite.COLUMNS, "pos 0-31"}  # T = 32: one position bucket
+    assert set(records[0]) == {"row", "seed", "wall_s", *COLUMNS, "pos 0-31"}  # T = 32: one position bucket
     for x in records:
         ev = events[(x["row"], int(x["seed"]))]
         assert float(x["val_loss"]) == pytest.approx(last(ev, "val/loss"), rel=1e-6)
@@ -138,15 +142,18 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     assert (out / "val_loss_curves.png").stat().st_size > 0
 
     # the seed reaches the policy: each run's adaptive state was seeded by its own seed
-    for s in SEEDS:
-        assert f"--model.aah.seed={s}" in suite.fit_command(
-            str(rows_dir), str(rows_dir / "baseline.yaml"), s, str(out), []
-        )
+    capsys.readouterr()
+    dry = ["--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out), "--only", "baseline", "--dry-run"]
+    assert run_tool("suite", *dry) == 0
+    fits = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if " fit " in line]
+    assert len(fits) == len(SEEDS)
+    for s, fit in zip(SEEDS, fits):
+        assert f"--model.aah.seed={s}" in fit
 
     # a second invocation reuses the finished runs instead of training again
     stamps = {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")}
     capsys.readouterr()
-    suite.main(["--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out)])
+    assert run_tool("suite", "--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "--out", str(out)) == 0
     assert {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")} == stamps
     assert "val" in capsys.readouterr().out
     assert not math.isnan(float(records[0]["val_loss"]))
@@ -155,7 +162,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     rd = out / "baseline" / "seed0"
     (rd / "done").unlink()
     (rd / "started").write_text(f"{os.path.getmtime(rd / 'checkpoints' / 'last.ckpt') - 5.0} 7.0\n")
-    suite.main(["--rows", str(rows_dir), "--seeds", "0", "--only", "baseline", "--out", str(out)])
+    assert run_tool("suite", "--rows", str(rows_dir), "--seeds", "0", "--only", "baseline", "--out", str(out)) == 0
     assert "Restored all states from the checkpoint" in (rd / "fit.log").read_text()
     assert len(list((rd / "logs").glob("events.out.tfevents.*"))) == 2  # the first attempt's events are kept
     assert float((rd / "done").read_text()) >= 7.0 + 5.0  # earlier attempts' time up to their checkpoint counts
@@ -176,25 +183,25 @@ def test_a_resumed_runs_rewritten_steps_come_from_its_newest_events_file(tmp_pat
                 w.add_scalar("val/loss", v, step)
         (f,) = d.glob("events.out.tfevents.*")
         f.rename(logs / f"events.out.tfevents.{stamp}.host.1.0")  # the name carries when the writer opened it
-    assert suite.read_scalars(str(tmp_path / "logs"))["val/loss"] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5)]
+    assert read_scalars(str(tmp_path / "logs"))["val/loss"] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5)]
 
 
 def test_interrupted_time_counts_each_attempt_up_to_its_checkpoint(tmp_path):
-    assert suite.interrupted_time(str(tmp_path)) is None  # no checkpoint: the run starts over
+    assert interrupted_time(str(tmp_path)) is None  # no checkpoint: the run starts over
     (tmp_path / "checkpoints").mkdir()
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     ckpt.write_text("")
-    assert suite.interrupted_time(str(tmp_path)) == 0.0  # a checkpoint, but no record of when the attempt began
+    assert interrupted_time(str(tmp_path)) == 0.0  # a checkpoint, but no record of when the attempt began
     os.utime(ckpt, (1000.0, 1000.0))
     (tmp_path / "started").write_text("940.0 30.0\n")
-    assert suite.interrupted_time(str(tmp_path)) == pytest.approx(90.0)
+    assert interrupted_time(str(tmp_path)) == pytest.approx(90.0)
     (tmp_path / "started").write_text("1100.0 30.0\n")  # an attempt that died before writing a checkpoint
-    assert suite.interrupted_time(str(tmp_path)) == pytest.approx(30.0)
+    assert interrupted_time(str(tmp_path)) == pytest.approx(30.0)
 
 
 def test_the_curve_plot_averages_only_steps_every_seed_logged():
     # seed 1's point at step 2 was lost (its machine stopped before it reached the disk; the resume started after it)
-    steps, means = suite.mean_curve([[(1, 3.0), (2, 2.0), (3, 1.0)], [(1, 5.0), (3, 2.0)]])
+    steps, means = mean_curve([[(1, 3.0), (2, 2.0), (3, 1.0)], [(1, 5.0), (3, 2.0)]])
     assert steps == [1, 3]
     assert means == [4.0, 1.5]
-    assert suite.mean_curve([]) == ([], [])
+    assert mean_curve([]) == ([], [])

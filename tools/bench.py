@@ -30,8 +30,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from aah_lightning import benchmarking
-from aah_lightning.benchmarking import (
+from aah_lightning.benchmarks import common
+from aah_lightning.benchmarks.common import (
     PAPER_MIX,
     SUMMARY,
     aah_table,
@@ -39,8 +39,10 @@ from aah_lightning.benchmarking import (
     emit,
     fmt,
     machine,
+    md_table,
     med,
     small_model,
+    sync,
     timeit,
     train_step,
     use_clock,
@@ -51,7 +53,6 @@ from aah_lightning.model.attention import AttentionPlanner, banded
 from aah_lightning.model.attention.flex import FlexPlan, compiled_flex_attention
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.window_math import default_candidates
-from aah_lightning.reporting import md_table, sync
 from aah_lightning.windows import metrics
 
 # -- helpers ------------------------------------------------------------------------------------------------------------
@@ -272,13 +273,13 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
         model.train()
         per_step, control = [], []
         for step in range(1, 151):
-            start = benchmarking.CLOCK()
+            start = common.CLOCK()
             table = policy.on_train_step(step, model, batch)
             if table is not None:
                 model.set_windows(table)
             model.attention_plans(T)  # mask rebuild, when the table changed, belongs to the control cost
             sync(device)
-            ms = (benchmarking.CLOCK() - start) * 1e3
+            ms = (common.CLOCK() - start) * 1e3
             (control if step % 50 == 0 else per_step).append(ms)
         per_interval = sum(control) / max(1, len(control)) + 49 * statistics.mean(per_step)
         overhead = per_interval / (50 * step_ms)
@@ -304,10 +305,10 @@ def section_d(args, device) -> str:
         planner = AttentionPlanner()
         times = []
         for table in tables:
-            start = benchmarking.CLOCK()
+            start = common.CLOCK()
             planner.plans(table, T, backend)
             sync(device)
-            times.append((benchmarking.CLOCK() - start) * 1e3)
+            times.append((common.CLOCK() - start) * 1e3)
         rows.append([backend, fmt(times[1:])])
         check(
             f"(d) rebuild of {L} x {H} {backend} plans at T={T} <= 50 ms",

@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from aah_lightning.benchmarks.common import md_table, sync
 from aah_lightning.data.batch import split_batch
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from aah_lightning.model.window_math import default_candidates
-from aah_lightning.reporting import md_table, sync
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.policy_base import make_policy
 

@@ -23,20 +23,20 @@ import sys
 
 import torch
 
-from aah_lightning.benchmarking import (
+from aah_lightning.benchmarks.common import (
     SUMMARY,
     aah_table,
     check,
     emit,
     fmt,
     machine,
+    md_table,
     med,
     small_model,
     timeit,
     use_clock,
 )
 from aah_lightning.model import generate as gen
-from aah_lightning.reporting import md_table
 from aah_lightning.windows import metrics
 
 

@@ -38,6 +38,7 @@ from torch._dynamo.utils import counters
 
 from aah_lightning.model import masks
 from aah_lightning.model.attention import backend_names, get_backend
+from aah_lightning.model.attention.reference import max_error, parity_limit, reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -67,14 +68,6 @@ def window_row(heads: int, seq_len: int) -> torch.Tensor:
     return torch.tensor([min(seq_len, base[h % len(base)]) for h in range(heads)], dtype=torch.int32)
 
 
-def reference_attention(q, k, v, row):
-    """float64 softmax over the dense mask of the mask_mod: the definition the kernels must agree with."""
-    B, H, T, D = q.shape
-    mask = masks.dense_mask(masks.window_mask_mod(row.to(q.device)), 1, H, T, q.device)
-    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v.double()
-
-
 def attention_parity(device, dtype, shape, train: bool) -> None:
     B, H, T, D = shape
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -93,14 +86,13 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
             out = fn(*inputs)
             if train:
                 out.backward(d_out)
-        errs = {"out": (out.double() - ref).abs().max().item()}
+        errs = {"out": max_error(out, ref)}
         if train:
             for name, mine, theirs in zip(("dq", "dk", "dv"), inputs, ref_in):
-                errs[name] = (mine.grad.double() - theirs.grad).abs().max().item()
+                errs[name] = max_error(mine.grad, theirs.grad)
         return errs
 
     sdpa = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense))
-    floor = 1e-4 if dtype == torch.float32 else 2e-2
     name = str(dtype).replace("torch.", "")
     for plan_name in PARITY_PLANS:
         backend = get_backend(plan_name)
@@ -112,7 +104,7 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
         plan = backend.build(tuple(row.tolist()), T, None, device=device, block_size=128)
         errs = run(plan)
         for key in errs:
-            limit = max(2 * sdpa[key], floor)
+            limit = parity_limit(sdpa[key], dtype)
             record(
                 f"attention parity {name} {key} ({plan_name})",
                 f"{errs[key]:.2e} (sdpa {sdpa[key]:.2e})",

@@ -1,5 +1,6 @@
 """What the benchmark tools share: the paper's window mix, the benchmark models, interleaved timing, the machine
-line and the table of target verdicts (tools/bench.py, tools/bench_decode.py, tools/gpu_tune.py).
+line, Markdown tables and the table of target verdicts (tools/bench.py, tools/bench_decode.py,
+tools/bench_controller.py, tools/gpu_tune.py).
 
 Timing runs the variants interleaved, one call of each per round, so that a change in machine load hits every
 variant alike and their ratios stay fair; ``use_clock("cpu")`` times CPU time instead of wall time (steadier with one
@@ -19,11 +20,24 @@ import torch.nn.functional as F
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from aah_lightning.model.window_math import default_candidates
-from aah_lightning.reporting import sync
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
 SUMMARY: list[list] = []  # [target, measured, verdict] rows, filled by the benchmarks' sections
 CLOCK = time.perf_counter
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock measures it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def md_table(title: str | None, header: list[str], rows: list[list]) -> str:
+    """A Markdown table (under a ``### title`` heading when one is given)."""
+    lines = [f"### {title}", ""] if title else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def use_clock(name: str) -> None:

@@ -1,0 +1,40 @@
+"""Every output file of a suite, from its records: results.csv, results.md, positions.md, the two plots and, when
+the rows are a frontier (``<family>_acr<target>``), frontier.md and frontier.png."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from aah_lightning.experiments import plots
+from aah_lightning.experiments.records import COLUMNS, eval_lengths
+from aah_lightning.experiments.stats import baseline_by_seed
+from aah_lightning.experiments.tables import FRONTIER_ROW, frontier_md, position_tables, results_table
+
+
+def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:
+    """Writes the files into ``out`` and returns results.md's table (followed by frontier.md's, for a frontier).
+    ``records``: one per run (records.summarise and more); ``rows`` in table order; ``curves``: (row, seed) -> the
+    run's val/loss series."""
+    fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(records)
+
+    by_row = {r: [x for x in records if x["row"] == r] for r in rows}
+    base = baseline_by_seed(by_row, "val_loss")
+    table = results_table(by_row, rows, base)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table)
+    plots.plot_vs_acr(out, by_row, base)
+    plots.plot_curves(out, by_row, curves)
+    with open(os.path.join(out, "positions.md"), "w") as f:
+        f.write(position_tables(records, rows))
+    if any(FRONTIER_ROW.match(r) for r in rows):
+        frontier = frontier_md(by_row, base, records)
+        with open(os.path.join(out, "frontier.md"), "w") as f:
+            f.write(frontier)
+        plots.plot_frontier(out, by_row, base, eval_lengths(records))
+        table += "\n" + frontier
+    return table

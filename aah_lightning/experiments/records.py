@@ -1,0 +1,144 @@
+"""What a suite reads back from its runs: where each run lives, its TensorBoard scalars reduced to one record (the
+``COLUMNS`` of results.csv), its loss per position bucket, the time its attempts took, and a finished suite's
+results.csv."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import itertools
+import math
+import os
+import re
+import statistics
+
+# Scalars read from each run: column -> (tag, how to reduce the logged series)
+COLUMNS = {
+    "val_loss": ("val/loss", "last"),
+    "val_ppl": ("val/ppl", "last"),
+    # How much the last validation interval still gained: near 0 once the curve has flattened.
+    "val_loss_last_gain": ("val/loss", "last_gain"),
+    "acr": ("aah/acr", "last"),
+    # What the run paid on average over its steps: the adaptive rows start at full context, random windows are
+    # redrawn. aah/acr is logged whenever the table changes, so each value holds until the next one.
+    "acr_mean": ("aah/acr", "step_mean"),
+    "causal_coverage": ("aah/causal_coverage", "last"),
+    "block_density": ("aah/block_density", "last"),
+    "attention_mass_coverage": ("aah/attention_mass_coverage", "last"),
+    "tokens_per_sec": ("perf/tokens_per_sec", "median"),
+}
+POSITION_TAG = "val/loss_by_position/"
+
+
+# -- a run's folder ---------------------------------------------------------------------------------------------------
+def run_dir(out: str, row: str, seed: int) -> str:
+    return os.path.join(out, row, f"seed{seed}")
+
+
+def checkpoint_dir(rd: str) -> str:
+    return os.path.join(rd, "checkpoints")
+
+
+def interrupted_time(rd: str):
+    """For a run that was stopped part-way (a suite killed, a job pre-empted) and left a last checkpoint: the
+    seconds its earlier attempts spent up to that checkpoint (work after it is redone on resume). None when there is
+    no checkpoint to resume from."""
+    ckpt, started = os.path.join(checkpoint_dir(rd), "last.ckpt"), os.path.join(rd, "started")
+    if not os.path.exists(ckpt):
+        return None
+    if not os.path.exists(started):
+        return 0.0  # written by a suite that did not record attempt times: the earlier time is unknown
+    with open(started) as f:
+        t0, before = map(float, f.read().split())
+    return before + max(0.0, os.path.getmtime(ckpt) - t0)
+
+
+# -- TensorBoard event files ------------------------------------------------------------------------------------------
+def event_files(log_dir: str) -> list[str]:
+    """Every events file under ``log_dir``, oldest writer first."""
+    paths = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+    return sorted(paths, key=events_file_time)
+
+
+def events_file_time(path: str) -> tuple[float, str]:
+    """events.out.tfevents.<unix time>.<host>...: when the writer opened it (ties broken by name)."""
+    name = os.path.basename(path)
+    try:
+        return float(name.split(".")[3]), name
+    except (IndexError, ValueError):
+        return os.path.getmtime(path), name
+
+
+def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a run. A resumed run has one events file per attempt and re-logs the steps between
+    its checkpoint and the interruption: the newest file's value of a step wins."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, dict[int, float]] = {}
+    for path in event_files(log_dir):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            series.setdefault(tag, {}).update((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: sorted(values.items()) for tag, values in series.items()}
+
+
+# -- a run's record ---------------------------------------------------------------------------------------------------
+def summarise(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    out = {}
+    for column, (tag, how) in COLUMNS.items():
+        values = [v for _, v in series.get(tag, [])]
+        if not values:
+            out[column] = math.nan
+        elif how == "last":
+            out[column] = values[-1]
+        elif how == "last_gain":
+            out[column] = values[-2] - values[-1] if len(values) > 1 else math.nan
+        elif how == "mean":
+            out[column] = statistics.fmean(values)
+        elif how == "step_mean":
+            out[column] = step_mean(series[tag], last_step(series))
+        else:
+            out[column] = statistics.median(values)
+    return out
+
+
+def step_mean(points: list[tuple[int, float]], end: int | None = None) -> float:
+    """Mean over steps of a series logged at every change: each value holds until the next logged step, the last one
+    up to step ``end`` (default: its own step), from the first logged step on."""
+    end = points[-1][0] if end is None else max(end, points[-1][0])
+    held = sum(v * (s2 - s1) for (s1, v), (s2, _) in itertools.pairwise(points))
+    held += points[-1][1] * (end - points[-1][0] + 1)
+    return held / (end - points[0][0] + 1)
+
+
+def last_step(series: dict[str, list[tuple[int, float]]]) -> int:
+    """The run's number of optimizer steps, in the convention of the ``aah/`` tags (the count of steps done; Lightning
+    logs a step's own metrics at its 0-based index, so a run of N steps validates last at N - 1)."""
+    return max(v[-1][0] + (0 if tag.startswith("aah/") else 1) for tag, v in series.items() if v)
+
+
+def position_losses(series: dict[str, list[tuple[int, float]]], prefix: str = "") -> dict[str, float]:
+    """The last validation's loss per position bucket: ``{"<prefix>pos <first>-<last>": loss}``."""
+    return {
+        f"{prefix}pos {tag[len(POSITION_TAG) :]}": values[-1][1]
+        for tag, values in series.items()
+        if tag.startswith(POSITION_TAG) and values
+    }
+
+
+def eval_lengths(records: list[dict], kind: str = "seq") -> list[int]:
+    """The --eval-seq-lens lengths the records hold a validation loss for: ``seq`` (full heads see the whole context)
+    or ``span`` (full heads keep the trained span, --eval-trained-span)."""
+    found = (re.fullmatch(kind + r"(\d+) val_loss", k) for x in records for k in x)
+    return sorted({int(m[1]) for m in found if m})
+
+
+# -- a finished suite -------------------------------------------------------------------------------------------------
+def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
+    """A finished suite's results.csv: ``{(row, seed): {column: value}}``."""
+    with open(os.path.join(out, "results.csv")) as f:
+        return {
+            (r["row"], int(r["seed"])): {k: float(v) for k, v in r.items() if k not in ("row", "seed")}
+            for r in csv.DictReader(f)
+        }
