@@ -61,6 +61,52 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class WindowUsage:
+    """What the run's windows cost and whether heads differed, over all its optimizer steps (in checkpoints).
+
+    ``window_sum[l, h]``: the sum over steps of ``min(W, T)`` (divided by steps and T: each head's ACR averaged over
+    the run); ``steps``; ``nonuniform_steps``: steps at which some layer's heads held different windows. One small
+    device add per step and a host check only when the table changes, so training never waits for it.
+    """
+
+    def __init__(self, n_layer: int, n_head: int, seq_len: int):
+        self.seq_len = seq_len
+        self.window_sum: torch.Tensor | None = None  # int64 [L, H], on the model's device once training starts
+        self.steps = 0
+        self.nonuniform_steps = 0
+        self._nonuniform: bool | None = None  # of the table in force (None: not looked at yet)
+        self._shape = (n_layer, n_head)
+
+    def step(self, windows: torch.Tensor, changed: bool) -> None:
+        if self.window_sum is None:
+            self.window_sum = torch.zeros(self._shape, dtype=torch.int64, device=windows.device)
+        elif self.window_sum.device != windows.device:  # restored from a checkpoint on the CPU
+            self.window_sum = self.window_sum.to(windows.device)
+        self.window_sum.add_(windows.clamp(max=self.seq_len))
+        if changed or self._nonuniform is None:
+            rows = windows.detach().clamp(max=self.seq_len).cpu()
+            self._nonuniform = bool((rows != rows[:, :1]).any())
+        self.steps += 1
+        self.nonuniform_steps += int(self._nonuniform)
+
+    def head_acr(self) -> torch.Tensor:
+        """``[L, H]`` float64: each head's ACR averaged over the run's steps."""
+        if self.window_sum is None or not self.steps:
+            return torch.full(self._shape, float("nan"), dtype=torch.float64)
+        return self.window_sum.cpu().to(torch.float64) / (self.steps * self.seq_len)
+
+    def state_dict(self) -> dict:
+        total = self.window_sum.cpu() if self.window_sum is not None else torch.zeros(self._shape, dtype=torch.int64)
+        return {"window_sum": total, "steps": self.steps, "nonuniform_steps": self.nonuniform_steps}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state or tuple(state["window_sum"].shape) != self._shape:
+            return
+        self.window_sum = state["window_sum"].to(torch.int64).clone()
+        self.steps, self.nonuniform_steps = int(state["steps"]), int(state["nonuniform_steps"])
+        self._nonuniform = None
+
+
 def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The mean loss over the targets that count: all, or those of ``loss_mask`` (the recall task's predictable
     targets; data/recall.py)."""
@@ -135,6 +181,7 @@ class AAHModule(L.LightningModule):
         self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
         self.val_recall, self.test_recall = RecallAccuracy(seq_len), RecallAccuracy(seq_len)  # recall task batches
         self.table_sync = distributed.WindowTableSync()
+        self.window_usage = WindowUsage(n_layer, n_head, seq_len)
         self._prepared = False
         self._rng_to_restore = None
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
@@ -181,7 +228,9 @@ class AAHModule(L.LightningModule):
             table = self.policy.on_train_step(self.global_step, self.model, batch)
             if table is not None:
                 self.model.set_windows(table)
-            self.table_sync.update(self.model.windows, self.global_step, self.model.windows._version != version)
+            changed = self.model.windows._version != version
+            self.table_sync.update(self.model.windows, self.global_step, changed)
+            self.window_usage.step(self.model.windows, changed)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -307,6 +356,7 @@ class AAHModule(L.LightningModule):
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
         checkpoint["aah_rng"] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
+        checkpoint["aah_window_usage"] = self.window_usage.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
@@ -315,6 +365,7 @@ class AAHModule(L.LightningModule):
         if self.hparams.get("full_heads_beyond_trained", "whole_context") == "whole_context":
             widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
+        self.window_usage.load_state_dict(checkpoint.get("aah_window_usage"))
         states = checkpoint.get("aah_rng")
         world = self.trainer.world_size if self._trainer is not None else 1
         if states is not None and len(states) == world:
