@@ -3,38 +3,10 @@ import os
 import pytest
 import torch
 
+from helpers.cli import tiny_cli_args
+
 # Two cores: keep torch from oversubscribing when pytest runs alongside data workers.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def tiny_cli_args(tmp_path, *extra, steps=6, source="synthetic", seq_len=32, subcommand="fit"):
-    """Arguments for an in-process ``aah <subcommand>`` on a tiny model that finishes in seconds."""
-    fit_only = [
-        f"--trainer.max_steps={steps}",
-        "--trainer.val_check_interval=3",
-        "--throughput.window=2",
-        "--diagnostics.every_n_steps=2",
-    ]
-    return [
-        subcommand,
-        *(fit_only if subcommand == "fit" else []),
-        f"--checkpoint.dirpath={tmp_path}/ckpt",
-        "--trainer.accelerator=cpu",
-        "--trainer.devices=1",
-        "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
-        "--trainer.logger.init_args.name=tiny",
-        "--model.n_layer=2",
-        "--model.n_head=4",
-        "--model.n_embd=32",
-        f"--data.source={source}",
-        f"--data.seq_len={seq_len}",
-        "--data.batch_size=4",
-        "--data.synthetic_documents=64",
-        *extra,
-    ]
 
 
 @pytest.fixture
@@ -52,3 +24,12 @@ def token_cache(tmp_path_factory):
         os.environ.pop("AAH_CACHE_DIR")
     else:
         os.environ["AAH_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def one_thread():
+    """Train tiny models on one thread: faster, and on a busy machine two spin-waiting threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

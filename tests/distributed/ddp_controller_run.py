@@ -1,0 +1,66 @@
+"""Two-process DDP run (gloo, CPU) of the adaptive policy; each rank saves what it decided.
+
+Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR``; Lightning's ddp launcher
+starts rank 1 by running this same command again.
+"""
+
+import sys
+
+import lightning as L
+import torch
+
+from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.distributed import shutdown_process_group
+from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+
+
+class Record(L.Callback):
+    """The window table every step, and a fingerprint of the batch this rank trained on."""
+
+    def __init__(self):
+        self.tables, self.batches = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tables.append(pl_module.model.windows.clone())
+        self.batches.append(int(batch["tokens"].sum()))
+
+
+def main(out_dir: str) -> None:
+    L.seed_everything(0)
+    T = 64
+    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic_documents=200, seed=0)
+    controller = ControllerConfig(warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2)
+    model = AAHModule(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=dm.vocab_size,
+        aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], controller=controller),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+    )
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[record],
+    )
+    trainer.fit(model, dm)
+    torch.save(
+        {"tables": record.tables, "batches": record.batches, "policy": model.policy.state_dict()},
+        f"{out_dir}/rank{trainer.global_rank}.pt",
+    )
+    shutdown_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

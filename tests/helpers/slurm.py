@@ -1,0 +1,49 @@
+"""Run inside the SLURM jobs of tests/distributed/test_slurm_real.py (``--trainer.callbacks+=helpers.slurm.SlurmProbe``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import lightning as L
+
+TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start processes
+
+
+class SlurmProbe(L.Callback):
+    """Inside the job: records how each rank of each run started, and holds the run in the middle of an accumulation
+    window after step ``hold_at[r]`` (r = the job's restart count) until SLURM stops it, so the test can signal the
+    job at a known point."""
+
+    def __init__(self, folder: str, hold_at: list[int]):
+        self.folder, self.hold_at = folder, hold_at
+        self.restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+    def _write(self, name: str, record: dict) -> None:
+        with open(os.path.join(self.folder, name), "w") as f:
+            json.dump(record, f)
+
+    def on_train_start(self, trainer, pl_module):
+        env = trainer._accelerator_connector.cluster_environment
+        self._write(
+            f"start.{self.restart}.rank{trainer.global_rank}.json",
+            {
+                "environment": type(env).__name__,
+                "auto_requeue": getattr(env, "auto_requeue", None),
+                "world_size": trainer.world_size,
+                "procid": int(os.environ["SLURM_PROCID"]),
+                "step": trainer.global_step,
+            },
+        )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        at_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if at_boundary or self.restart >= len(self.hold_at) or trainer.global_step != self.hold_at[self.restart]:
+            return
+        self._write(f"held.{self.restart}.rank{trainer.global_rank}.json", {"step": trainer.global_step})
+        deadline = time.monotonic() + TIMEOUT
+        while not trainer.received_sigterm:  # SLURM ends a requeued job's tasks with SIGTERM; Lightning stops then
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"held after step {trainer.global_step} and never stopped")
+            time.sleep(0.1)

@@ -1,0 +1,155 @@
+"""Crash-safe checkpoint writes and safe loading (aah_lightning/lit/checkpointing.py)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import subprocess
+import textwrap
+
+import lightning as L
+import pytest
+import torch
+
+from aah_lightning.cli import AAHCLI, main
+from aah_lightning.errors import CheckpointWriteError
+from aah_lightning.lit import checkpointing
+from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
+from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.module import AAHModule
+from aah_lightning.validation import resolve_ckpt_path
+from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.policy_base import available_policies
+from helpers.cli import PYTHON, cli_error, subprocess_env, tiny_config, train_tiny
+
+STALLING_WRITER = textwrap.dedent(
+    """
+    import io, sys, time, torch
+    from aah_lightning.lit.checkpointing import AtomicCheckpointIO
+
+    path, plugin = sys.argv[1], AtomicCheckpointIO()
+    plugin.save_checkpoint({"version": 1, "w": torch.full((1 << 18,), 1.0)}, path)
+    real_save = torch.save
+
+    def stalling_save(obj, f):  # writes half of the archive, then hangs until it is killed
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        print("HALF", flush=True)
+        time.sleep(600)
+        f.write(data[len(data) // 2 :])
+
+    torch.save = stalling_save
+    plugin.save_checkpoint({"version": 2, "w": torch.full((1 << 18,), 2.0)}, path)
+    """
+)
+
+
+def test_writer_killed_mid_write_leaves_the_previous_checkpoint_intact(tmp_path):
+    script, target = tmp_path / "writer.py", tmp_path / "ckpts" / "last.ckpt"
+    script.write_text(STALLING_WRITER)
+    proc = subprocess.Popen([PYTHON, str(script), str(target)], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert proc.stdout.readline().strip() == "HALF"
+        partials = [p for p in os.listdir(target.parent) if p.startswith(PARTIAL_PREFIX)]
+        assert len(partials) == 1 and os.path.getsize(target.parent / partials[0]) > 0  # really mid-write
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ckpt = load_checkpoint_file(target)  # complete archive, checksums verified
+    assert ckpt["version"] == 1 and torch.equal(ckpt["w"], torch.full((1 << 18,), 1.0))
+    # The next save on this host removes the dead writer's leftover and replaces the file.
+    AtomicCheckpointIO().save_checkpoint({"version": 3}, target)
+    assert load_checkpoint_file(target)["version"] == 3
+    assert sorted(os.listdir(target.parent)) == ["last.ckpt"]
+
+
+def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    plugin = AtomicCheckpointIO()
+    plugin.save_checkpoint({"version": 1}, target)
+
+    def disk_full(obj, f):
+        f.write(b"PK\x03\x04 partial bytes")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    with pytest.raises(CheckpointWriteError, match="No space left on device; the previous checkpoint there"):
+        plugin.save_checkpoint({"version": 2}, target)
+    monkeypatch.undo()
+    assert load_checkpoint_file(target)["version"] == 1
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # the partial file was removed
+
+
+def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
+    cli = AAHCLI(
+        AAHModule, TextDataModule, run=False, auto_configure_optimizers=False, args=["--config", tiny_config(tmp_path)]
+    )
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert [type(cb) for cb in cli.trainer.checkpoint_callbacks][:1] == [LastCheckpoint]
+
+
+def test_last_means_the_newest_complete_last_checkpoint(tmp_path):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    for i, name in enumerate(["last.ckpt", "last-v1.ckpt", f"{PARTIAL_PREFIX}host-1-abcd", "best-step9.ckpt"]):
+        (folder / name).write_bytes(b"x")
+        os.utime(folder / name, (1000 + i, 1000 + i))
+    trainer = L.Trainer(callbacks=[LastCheckpoint(dirpath=str(folder))], logger=False)
+    assert resolve_ckpt_path(trainer, "last") == str(folder / "last-v1.ckpt")
+
+
+@pytest.mark.parametrize("policy", sorted(available_policies()))
+def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
+    aah = AAHConfig(policy=policy, candidates=[8, 16, 32], window=16, table=[[8, 32], [16, 8]], redraw_interval=1)
+    if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
+        aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
+    model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65, aah=aah)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[LastCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1)],
+    )
+    trainer.fit(model, datamodule=data)
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)  # plain torch, no allow-listing
+    assert ckpt["global_step"] == 3 and "aah_policy" in ckpt
+    assert torch.equal(ckpt["state_dict"]["model.windows"], model.model.windows)
+
+
+def test_unsafe_checkpoint_is_refused_unless_allowed(tmp_path, capsys):
+    folder = train_tiny(tmp_path / "first", "--trainer.max_steps", "2")
+    ckpt = torch.load(os.path.join(folder, "last.ckpt"), weights_only=True)
+    ckpt["note"] = argparse.Namespace(source="someone else's pickle")  # not a tensor or plain value
+    unsafe = tmp_path / "unsafe.ckpt"
+    torch.save(ckpt, unsafe)
+
+    code, line = cli_error(["fit", "--config", tiny_config(tmp_path), "--ckpt_path", str(unsafe)], capsys)
+    assert code == 2 and "argparse.Namespace" in line and "--weights_only false" in line
+    assert not os.path.exists(tmp_path / "ckpts")
+
+    # Explicitly allowed: the run resumes from it (step 2) and finishes.
+    main(
+        [
+            "fit",
+            "--config",
+            tiny_config(tmp_path),
+            "--ckpt_path",
+            str(unsafe),
+            "--weights_only",
+            "false",
+            "--trainer.max_steps",
+            "3",
+        ]
+    )
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 3

@@ -1,0 +1,140 @@
+"""kill -9 a training run at a random moment: every checkpoint left behind is complete, and ``--ckpt_path last``
+resumes from the newest one with exactly the data an uninterrupted run would have seen next."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from aah_lightning.cli import main
+from aah_lightning.data.packing import EndlessSampler
+from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, load_checkpoint_file
+from aah_lightning.lit.datamodule import TextDataModule
+from helpers.cli import PYTHON, REPO, subprocess_env, tiny_config
+
+
+class Recorder(L.Callback):
+    """Records (global step, batch indices) of every training batch of the resumed run."""
+
+    seen: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        Recorder.seen.append((trainer.global_step, batch["index"].tolist()))
+
+
+@pytest.mark.heavy
+def test_sigkill_then_resume_from_last(tmp_path):
+    config = tiny_config(tmp_path, trainer={"max_steps": 100000})
+    ckpts = tmp_path / "ckpts"
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "aah_lightning", "fit", "--config", config],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.time() + 300
+        while not (ckpts / "last.ckpt").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 2.0))  # checkpoints are written every step: any moment will do
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    # Nothing truncated is left where a checkpoint should be (checksums verified, weights-only unpickling).
+    names = os.listdir(ckpts)
+    for name in names:
+        if name.endswith(".ckpt"):
+            load_checkpoint_file(ckpts / name)
+    step = load_checkpoint_file(ckpts / "last.ckpt")["global_step"]
+    assert step >= 1
+
+    Recorder.seen = []
+    main(
+        [
+            "fit",
+            "--config",
+            config,
+            "--ckpt_path",
+            "last",
+            "--trainer.max_steps",
+            str(step + 3),
+            "--trainer.callbacks+=test_crash_resume.Recorder",
+        ]
+    )
+    resumed = load_checkpoint_file(ckpts / "last.ckpt")
+    assert resumed["global_step"] == step + 3
+    assert all(torch.isfinite(t).all() for t in resumed["state_dict"].values() if t.is_floating_point())
+    assert not [n for n in os.listdir(ckpts) if n.startswith(PARTIAL_PREFIX)]  # a killed writer's leftover is gone
+
+    # The resumed run continues the seeded data order where the killed one stopped.
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data.setup("fit")
+    order = list(EndlessSampler(len(data.train_set), seed=1234, length=(step + 3) * 4))
+    assert [s for s, _ in Recorder.seen] == [step, step + 1, step + 2]
+    assert [i for _, i in Recorder.seen] == [order[s * 4 : (s + 1) * 4] for s in (step, step + 1, step + 2)]
+
+
+@pytest.mark.heavy
+def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
+    # Two processes on CPU (gloo) with the shipped FSDP2 config: last.ckpt is a folder of per-rank shards written by
+    # both ranks. Killed at any moment, it names a complete checkpoint that resumes.
+    from helpers.distributed import FSDP2, cpu_config
+
+    config = cpu_config(tmp_path)
+    args = [PYTHON, "-m", "aah_lightning", "fit"]
+    for c in [*FSDP2, config]:
+        args += ["--config", c if os.path.isabs(c) else os.path.join(REPO, c)]
+    args += ["--trainer.strategy.init_args.data_parallel_size=2", "--trainer.val_check_interval=1000"]
+    ckpts, last = tmp_path / "ckpt", tmp_path / "ckpt" / "last.ckpt"
+    proc = subprocess.Popen(
+        [*args, "--trainer.max_steps=100000"],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while not last.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 3.0))  # a checkpoint every step: the kill lands during a save or between
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # both ranks (the launcher and the process it started)
+        proc.wait()
+        proc.stderr.close()
+
+    # last.ckpt names a complete distributed checkpoint: its metadata, both shards and Lightning's meta.pt.
+    assert last.is_symlink() and last.is_dir()
+    assert (last / ".metadata").is_file() and len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
+    step = torch.load(last / "meta.pt", weights_only=True)["global_step"]
+    assert step >= 1
+
+    proc = subprocess.run(
+        [*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == step + 2
+    # One checkpoint folder behind the link, no temporary folder of the killed writer left.
+    left = sorted(os.listdir(ckpts))
+    assert not [n for n in left if n.startswith(PARTIAL_PREFIX)], left
+    assert [n for n in left if n.startswith(".last.ckpt.")] == [os.path.basename(os.path.realpath(last))], left

@@ -1,0 +1,108 @@
+"""Exact resume on one process: a run interrupted at step k and resumed with ``--ckpt_path last`` trains on the same
+batches, draws the same random numbers, ends with the same losses, weights and window table as a run that was never
+interrupted. Map-style and streamed data, with gradient accumulation and a window table that changes mid-run.
+
+A run continued from its checkpoint logs like one that was never stopped: into its own log folder, and at the
+same steps. Extending a finished run (a larger max_steps) is the case where Lightning's bookkeeping slipped."""
+
+from __future__ import annotations
+
+import os
+
+import datasets
+import pytest
+import torch
+
+from aah_lightning.cli import main
+from aah_lightning.data import corpora
+from aah_lightning.data.synthetic import synthetic_documents
+from helpers.resume import INTERRUPT_AT, STEPS, check_resumed, interrupted_then_resumed, run_args
+from helpers.tb import read_events
+
+
+def test_map_style_resume_is_exact(tmp_path, tiny_args):
+    main(run_args(tiny_args, tmp_path / "whole"))
+    interrupted_then_resumed(tiny_args, tmp_path / "parts")
+    check_resumed(tmp_path)
+    # The checkpoint records the data layout the position depends on.
+    layout = torch.load(tmp_path / "parts/ckpt/last.ckpt", weights_only=True)["TextDataModule"]["layout"]
+    assert layout["batch_size"] == 4 and layout["accumulate_grad_batches"] == 2 and layout["world_size"] == 1
+
+
+def _amc(folder) -> dict[int, float]:
+    """The logged attention-mass coverage by step; where a resumed run repeats steps, its later values win."""
+    return dict(read_events(folder / "runs")["scalars"]["aah/attention_mass_coverage"])
+
+
+def test_resumed_run_logs_the_same_attention_mass_coverage(tmp_path, tiny_args):
+    # The probe samples its query positions from the callback's own generator, saved in the checkpoint.
+    amc = ["--diagnostics.amc_every_n_steps=1", "--diagnostics.amc_queries=4"]  # 4 of 32 positions: a real sample
+    main(run_args(tiny_args, tmp_path / "whole", *amc))
+    interrupted_then_resumed(tiny_args, tmp_path / "parts", *amc)
+    whole, parts = _amc(tmp_path / "whole"), _amc(tmp_path / "parts")
+    assert sorted(whole) == sorted(parts) and len(whole) >= STEPS
+    assert len(set(whole.values())) > 1  # a sample that changes from step to step, so a restart would show
+    assert [parts[s] for s in sorted(parts)] == pytest.approx([whole[s] for s in sorted(whole)], rel=1e-6)
+
+
+def _fake_hub(monkeypatch, n_shards=3):
+    """A local streamed dataset in place of the hub: documents of many lengths, some longer than a block."""
+    rng = torch.Generator().manual_seed(0)
+    texts = []
+    for i, doc in enumerate(synthetic_documents(30, 48, 20, 26, seed=1)):
+        length = int(torch.randint(3, 90, (1,), generator=rng))
+        texts.append("".join(chr(97 + int(t) % 26) for t in doc)[:length] + f" #{i}")
+    table = datasets.Dataset.from_dict({"text": texts})
+    monkeypatch.setattr(corpora, "hub_corpus", lambda *a, **k: table.to_iterable_dataset(num_shards=n_shards))
+    return texts
+
+
+def test_streamed_resume_is_exact(tmp_path, tiny_args, monkeypatch):
+    _fake_hub(monkeypatch)
+    extra = ["--data.source=hub", "--data.hub_name=local/fake", "--data.val_blocks=3", "--data.test_blocks=2"]
+    main(run_args(tiny_args, tmp_path / "whole", *extra))
+    saved = interrupted_then_resumed(tiny_args, tmp_path / "parts", *extra)
+    check_resumed(tmp_path)
+    at_interrupt = saved["TextDataModule"]["streams"][0]["0"]
+    assert at_interrupt["block"] == INTERRUPT_AT * 2 * 4 and at_interrupt["offset"] > 0  # resumed inside a document
+    final = torch.load(tmp_path / "parts/ckpt/last.ckpt", weights_only=True)["TextDataModule"]["streams"][0]["0"]
+    assert final["block"] == STEPS * 2 * 4 and final["pass"] >= 1  # and the stream started a second pass
+
+
+def test_resume_with_another_batch_size_warns(tmp_path, tiny_args):
+    main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=2"))
+    with pytest.warns(UserWarning, match="batch_size: 4 -> 2"):
+        main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=3", "--data.batch_size=2", "--ckpt_path=last"))
+
+
+# The checkpoint interval does not divide the first run's length: its last checkpoint is the final step's.
+ARGS = ["--checkpoint.every_n_train_steps=4", "--trainer.enable_model_summary=false"]
+
+
+def _curves(folder) -> dict[str, list[tuple[int, float]]]:
+    scalars = read_events(folder / "runs")["scalars"]
+    return {tag: scalars[tag] for tag in ("train/loss", "val/loss", "epoch")}
+
+
+def test_an_extended_run_logs_the_uninterrupted_runs_steps_into_its_own_folder(tmp_path, tiny_args):
+    main(tiny_args(*ARGS, steps=10))
+    os.rename(tmp_path / "runs", tmp_path / "whole")
+    main(tiny_args(*ARGS, steps=6))
+    main(tiny_args(*ARGS, "--ckpt_path=last", steps=10))
+    whole = {tag: values for tag, values in read_events(tmp_path / "whole")["scalars"].items()}
+    extended = _curves(tmp_path)
+    for tag in ("train/loss", "val/loss"):
+        assert [s for s, _ in extended[tag]] == [s for s, _ in whole[tag]], tag
+        assert [v for _, v in extended[tag]] == pytest.approx([v for _, v in whole[tag]], rel=1e-5), tag
+    assert [s for s, _ in extended["epoch"]] == [s for s, _ in whole["epoch"]]
+    # The finished run had completed its pass over its data, so the extension counts one more epoch, not two.
+    assert max(v for _, v in extended["epoch"]) == 1
+    # One run, one folder: the resume wrote its events and config.yaml next to the first part's.
+    assert os.listdir(tmp_path / "runs" / "tiny") == ["version_0"]
+    assert os.path.exists(tmp_path / "runs" / "tiny" / "version_0" / "config.yaml")
+
+
+def test_a_resume_keeps_a_log_version_the_config_gives(tmp_path, tiny_args):
+    main(tiny_args(*ARGS, steps=2))
+    main(tiny_args(*ARGS, "--ckpt_path=last", "--trainer.logger.init_args.version=second_part", steps=3))
+    assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == ["second_part", "version_0"]

@@ -1,0 +1,102 @@
+"""A Lightning run resumed from a checkpoint makes exactly the controller decisions of an uninterrupted run.
+
+The batches come from a small data module whose batch is a function of the step only, started at the step the run
+resumes from: the test is about the controller's state travelling through Lightning checkpoints (module.py stores it
+under ``aah_policy``), independent of how the text data module finds its position.
+"""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+
+T = 64
+STEPS, STOP = 14, 7
+VOCAB = 32
+
+
+class StepBatches(IterableDataset):
+    """Batch ``s`` for steps ``start, start + 1, ...``: random tokens seeded by the step, with a copy structure."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        for step in range(self.start, STEPS):
+            g = torch.Generator().manual_seed(1000 + step)
+            half = torch.randint(0, VOCAB, (4, T // 2 + 1), generator=g)
+            tokens = torch.cat([half, half[:, : T // 2]], dim=1)  # second half repeats the first
+            yield {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
+
+
+class StepData(L.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(StepBatches(self.trainer.global_step), batch_size=None)
+
+
+class Record(L.Callback):
+    def __init__(self, stop_at=None):
+        self.tables, self.stop_at = {}, stop_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tables[trainer.global_step - 1] = pl_module.model.windows.clone()
+        if trainer.global_step == self.stop_at:
+            trainer.should_stop = True
+
+
+def run(ckpt_path=None, stop_at=None):
+    L.seed_everything(0)
+    dm = StepData()
+    controller = ControllerConfig(
+        warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.45, depth=3, threshold=0.3
+    )
+    module = AAHModule(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        seq_len=T,
+        vocab_size=VOCAB,
+        aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], seed=5, controller=controller),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+    )
+    record = Record(stop_at)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return trainer, module, record.tables
+
+
+@pytest.mark.heavy
+def test_resumed_run_makes_the_uninterrupted_decisions(tmp_path, one_thread):
+    _, straight, straight_tables = run()
+
+    trainer, first, _ = run(stop_at=STOP)
+    ckpt = tmp_path / "stop.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)  # plain tensors, lists and numbers only
+    assert saved["aah_policy"]["decisions"] == 2  # steps 2 and 5
+
+    _, resumed, resumed_tables = run(ckpt_path=str(ckpt))
+    assert sorted(resumed_tables) == list(range(STOP, STEPS))
+    for step in range(STOP, STEPS):
+        assert torch.equal(resumed_tables[step], straight_tables[step]), step
+    assert len({str(straight_tables[s].tolist()) for s in range(STEPS)}) > 2  # the windows really moved
+    a, b = straight.policy.state_dict(), resumed.policy.state_dict()
+    assert a["decisions"] == b["decisions"] == 4
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
