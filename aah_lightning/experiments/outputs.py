@@ -1,6 +1,6 @@
 """Every output file of a suite, from its records: results.csv, results.md, positions.md, the two plots, tables.json
 (each run's final window table and each head's ACR over the run) and, when the rows are a frontier
-(``<family>_acr<target>``), frontier.md and frontier.png."""
+(``<family>_acr<target>``), frontier.md and frontier.png (and recall_by_distance.png on the recall task)."""
 
 from __future__ import annotations
 
@@ -48,5 +48,6 @@ def write_outputs(
         with open(os.path.join(out, "frontier.md"), "w") as f:
             f.write(frontier)
         plots.plot_frontier(out, by_row, base, eval_lengths(records))
+        plots.plot_recall(out, by_row)
         table += "\n" + frontier
     return table
