@@ -41,8 +41,11 @@ from aah_lightning.experiments.records import (
     interrupted_time,
     position_losses,
     read_scalars,
+    recall_accuracies,
+    row_policy,
     run_dir,
     summarise,
+    window_summary,
 )
 
 
@@ -152,6 +155,7 @@ def main(argv=None) -> None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = time.time()
     curves: dict[tuple[str, int], list] = {}  # (row, seed) -> the run's val/loss series, for the curve plot
+    heads: dict[tuple[str, int], dict] = {}  # (row, seed) -> the run's final table and per-head ACR over the run
 
     def run(path: str, seed: int) -> dict:
         rd = run_dir(args.out, row_name(path), seed)
@@ -181,7 +185,12 @@ def main(argv=None) -> None:
             wall = float(f.read())
         series = read_scalars(os.path.join(rd, "logs"))
         curves[(row_name(path), seed)] = series.get("val/loss", [])
-        record = {"row": row_name(path), "seed": seed, "wall_s": wall, **summarise(series), **position_losses(series)}
+        policy = row_policy(os.path.join(args.rows, "base.yaml"), path)
+        record = {"row": row_name(path), "seed": seed, "wall_s": wall, "policy": policy, **summarise(series)}
+        record.update(position_losses(series))
+        record.update(recall_accuracies(series))
+        fields, heads[(row_name(path), seed)] = window_summary(os.path.join(checkpoint_dir(rd), "last.ckpt"))
+        record.update(fields)
         for n, span in long_validations:  # the finished run's last checkpoint at other lengths (each done once)
             ed = os.path.join(rd, "eval", f"seq{n}_span" if span else f"seq{n}")
             if not os.path.exists(os.path.join(ed, "done")):
@@ -197,7 +206,7 @@ def main(argv=None) -> None:
             record.update(position_losses(long, f"{key} "))
         print(
             f"{record['row']:>32} seed {seed}: val {record['val_loss']:.4f}  ACR paid {record['acr_mean']:.3f} "
-            f"(last {record['acr']:.3f})  {wall:.0f} s",
+            f"(last {record['acr']:.3f})  heads differ at {record['nonuniform_share']:.0%} of steps  {wall:.0f} s",
             flush=True,
         )
         return record
@@ -210,7 +219,7 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
-    print(write_outputs(args.out, records, rows, curves))
+    print(write_outputs(args.out, records, rows, curves, heads))
     print(
         f"suite wall time: {time.time() - started:.0f} s (this invocation); "
         f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s"

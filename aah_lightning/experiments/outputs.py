@@ -1,9 +1,11 @@
-"""Every output file of a suite, from its records: results.csv, results.md, positions.md, the two plots and, when
-the rows are a frontier (``<family>_acr<target>``), frontier.md and frontier.png."""
+"""Every output file of a suite, from its records: results.csv, results.md, positions.md, the two plots, tables.json
+(each run's final window table and each head's ACR over the run) and, when the rows are a frontier
+(``<family>_acr<target>``), frontier.md and frontier.png (and recall_by_distance.png on the recall task)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 
 from aah_lightning.experiments import plots
@@ -12,16 +14,26 @@ from aah_lightning.experiments.stats import baseline_by_seed
 from aah_lightning.experiments.tables import FRONTIER_ROW, frontier_md, position_tables, results_table
 
 
-def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[tuple[str, int], list]) -> str:
+def write_outputs(
+    out: str,
+    records: list[dict],
+    rows: list[str],
+    curves: dict[tuple[str, int], list],
+    heads: dict[tuple[str, int], dict] | None = None,
+) -> str:
     """Writes the files into ``out`` and returns results.md's table (followed by frontier.md's, for a frontier).
     ``records``: one per run (records.summarise and more); ``rows`` in table order; ``curves``: (row, seed) -> the
-    run's val/loss series."""
+    run's val/loss series; ``heads``: (row, seed) -> records.window_summary's tables."""
     fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(records)
 
+    if heads:
+        with open(os.path.join(out, "tables.json"), "w") as f:
+            by_run = {r: {str(seed): heads[(r, seed)] for (rr, seed) in sorted(heads) if rr == r} for r in rows}
+            json.dump(by_run, f, indent=1)
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
     base = baseline_by_seed(by_row, "val_loss")
     table = results_table(by_row, rows, base)
@@ -36,5 +48,6 @@ def write_outputs(out: str, records: list[dict], rows: list[str], curves: dict[t
         with open(os.path.join(out, "frontier.md"), "w") as f:
             f.write(frontier)
         plots.plot_frontier(out, by_row, base, eval_lengths(records))
+        plots.plot_recall(out, by_row)
         table += "\n" + frontier
     return table

@@ -1,5 +1,6 @@
 """A suite's pictures: final val loss against ACR (and its difference to the same seed's baseline), the validation
-curves per row, and the quality-compute frontier per family. PNG files, drawn without a display."""
+curves per row, the quality-compute frontier per family and, on the recall task, recall accuracy by distance per
+family at each target. PNG files, drawn without a display."""
 
 from __future__ import annotations
 
@@ -108,4 +109,44 @@ def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "frontier.png"), dpi=120)
+    plt.close(fig)
+
+
+def plot_recall(out: str, by_row: dict[str, list[dict]]) -> None:
+    """recall_by_distance.png: one panel per target ACR, the recall accuracy of each family by distance to the answer
+    (mean ± std over seeds), the baseline in every panel."""
+    plt = pyplot()
+    cols = sorted(
+        {k for recs in by_row.values() for x in recs for k in x if k.startswith("recall ")},
+        key=lambda c: int(c.split(" ", 1)[1].split("-")[0]),
+    )
+    rows = frontier_rows(by_row)
+    targets = sorted({t for t, f, _ in rows if f != BASELINE})
+    if not cols or not targets:
+        return
+    families = sorted({f for _, f, _ in rows})
+    fig, axes = plt.subplots(1, len(targets), figsize=(6.5 * len(targets), 5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        for t, family, r in sorted(rows, key=lambda e: e[1]):
+            if (t != target and family != BASELINE) or not by_row[r]:
+                continue
+            means = [mean_std([x.get(c, math.nan) for x in by_row[r]]) for c in cols]
+            ax.errorbar(
+                range(len(cols)),
+                [m for m, _ in means],
+                yerr=[s for _, s in means],
+                fmt="o-",
+                capsize=3,
+                color=f"C{families.index(family) % 10}",
+                label=family,
+            )
+        ax.set_xticks(range(len(cols)), [c.split(" ", 1)[1] for c in cols], rotation=45, fontsize=8)
+        ax.set_xlabel("distance to the answer (tokens): the window that reaches it")
+        ax.set_ylabel("recall accuracy, mean ± std over seeds")
+        ax.set_title(f"target ACR {target:g}")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "recall_by_distance.png"), dpi=120)
     plt.close(fig)

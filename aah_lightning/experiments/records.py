@@ -28,6 +28,7 @@ COLUMNS = {
     "tokens_per_sec": ("perf/tokens_per_sec", "median"),
 }
 POSITION_TAG = "val/loss_by_position/"
+RECALL_TAG = "val/recall_acc_by_distance/"
 
 
 # -- a run's folder ---------------------------------------------------------------------------------------------------
@@ -127,6 +128,50 @@ def position_losses(series: dict[str, list[tuple[int, float]]], prefix: str = ""
     }
 
 
+def recall_accuracies(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """The last validation's recall accuracy (recall task only): ``recall_acc`` and ``{"recall <a>-<b>": acc}`` by
+    distance to the answer; nothing for a run without recall answers."""
+    out = {}
+    if series.get("val/recall_acc"):
+        out["recall_acc"] = series["val/recall_acc"][-1][1]
+    for tag, values in series.items():
+        if tag.startswith(RECALL_TAG) and values:
+            out[f"recall {tag[len(RECALL_TAG) :]}"] = values[-1][1]
+    return out
+
+
+def row_policy(base_yaml: str, row_yaml: str) -> str:
+    """The window policy a row runs (``model.aah.policy`` of its overlay, else of the base config)."""
+    import yaml
+
+    policy = "full"
+    for path in (base_yaml, row_yaml):
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+        policy = ((cfg.get("model") or {}).get("aah") or {}).get("policy", policy)
+    return policy
+
+
+def window_summary(ckpt_path: str) -> tuple[dict[str, float], dict[str, list]]:
+    """From a run's last checkpoint: ``nonuniform_share`` (share of its steps at which some layer's heads held
+    different windows), ``final_distinct_max`` (most different windows within one layer of the final table), and the
+    final table and each head's ACR averaged over the run (for tables.json)."""
+    from aah_lightning.lit.checkpointing import load_checkpoint_file
+
+    ckpt = load_checkpoint_file(ckpt_path, map_location="cpu", setting="the run's last checkpoint")
+    seq_len = ckpt["hyper_parameters"]["seq_len"]
+    table = next(v for k, v in ckpt["state_dict"].items() if k.replace("_orig_mod.", "") == "model.windows")
+    table = table.clamp(max=seq_len)
+    usage = ckpt.get("aah_window_usage") or {}
+    steps = int(usage.get("steps", 0))
+    head_acr = usage["window_sum"].double() / (steps * seq_len) if steps else table.double() * math.nan
+    fields = {
+        "nonuniform_share": usage.get("nonuniform_steps", 0) / steps if steps else math.nan,
+        "final_distinct_max": max(len(set(row.tolist())) for row in table),
+    }
+    return fields, {"final_table": table.tolist(), "head_acr": [[round(v, 4) for v in r] for r in head_acr.tolist()]}
+
+
 def eval_lengths(records: list[dict], kind: str = "seq") -> list[int]:
     """The --eval-seq-lens lengths the records hold a validation loss for: ``seq`` (full heads see the whole context)
     or ``span`` (full heads keep the trained span, --eval-trained-span)."""
@@ -139,6 +184,8 @@ def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
     """A finished suite's results.csv: ``{(row, seed): {column: value}}``."""
     with open(os.path.join(out, "results.csv")) as f:
         return {
-            (r["row"], int(r["seed"])): {k: float(v) for k, v in r.items() if k not in ("row", "seed")}
+            (r["row"], int(r["seed"])): {
+                k: float(v) for k, v in r.items() if k not in ("row", "seed", "policy") and v != ""
+            }
             for r in csv.DictReader(f)
         }

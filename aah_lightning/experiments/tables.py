@@ -8,11 +8,12 @@ import math
 import re
 
 from aah_lightning.experiments.records import COLUMNS, eval_lengths
-from aah_lightning.experiments.stats import BASELINE, baseline_by_seed, mean_std, paired_diffs
+from aah_lightning.experiments.stats import BASELINE, baseline_by_seed, interval, mean_std, paired_diffs, verdict
 
 # A frontier row: <family>_acr<target ACR>, e.g. fixed_acr0.25 (configs/frontier).
 FRONTIER_ROW = re.compile(r"^(?P<family>.+)_acr(?P<target>[0-9]*\.?[0-9]+)$")
 UNIFORM = "fixed"  # the family that gives every head one window: what per-head allocation has to beat
+ONE_WINDOW_POLICIES = ("full", "fixed")  # policies that give every head of a layer the same window by design
 
 
 def fmt(mean: float, std: float, digits: int = 4) -> str:
@@ -25,7 +26,7 @@ def fmt(mean: float, std: float, digits: int = 4) -> str:
 def results_table(by_row: dict[str, list[dict]], rows: list[str], base: dict[int, float]) -> str:
     """Markdown: per row, every column as mean ± std over its seeds, and its val loss paired with the baseline's."""
     lines = [
-        "| row | seeds | val loss | val ppl | Δ val loss vs baseline | gain in last val interval | ACR | "
+        "| row | seeds | val loss | val ppl | Δ val loss vs baseline [95 % CI] | gain in last val interval | ACR | "
         "ACR, mean over the run | "
         "causal coverage | block density | attention-mass coverage | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -35,10 +36,9 @@ def results_table(by_row: dict[str, list[dict]], rows: list[str], base: dict[int
         if not recs:
             continue
         stats = {c: mean_std([x[c] for x in recs]) for c in COLUMNS}
-        d_mean, d_std = mean_std(paired_diffs(recs, base)) if r != BASELINE else (math.nan, math.nan)
+        diff = interval(paired_diffs(recs, base), 4) if r != BASELINE else "–"
         lines.append(
-            f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | "
-            f"{'–' if math.isnan(d_mean) else f'{d_mean:+.4f} ± {d_std:.4f}'} | "
+            f"| {r} | {len(recs)} | {fmt(*stats['val_loss'])} | {fmt(*stats['val_ppl'], 2)} | {diff} | "
             f"{fmt(*stats['val_loss_last_gain'])} | "
             f"{fmt(*stats['acr'], 3)} | {fmt(*stats['acr_mean'], 3)} | "
             f"{fmt(*stats['causal_coverage'], 3)} | {fmt(*stats['block_density'], 3)} | "
@@ -112,7 +112,7 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
     each run paid (its ACR averaged over steps) against the target."""
     head = (
         "| target ACR | family | seeds | ACR paid, mean over the run | paid − target, worst seed | val loss | "
-        "Δ val loss vs baseline | Δ per seed |"
+        "Δ val loss vs baseline [95 % CI] | Δ per seed |"
     )
     rule = "|---|---|---|---|---|---|---|---|"
     for n in lengths:
@@ -133,7 +133,7 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
             fmt(*mean_std([x["acr_mean"] for x in recs]), 3),
             f"{worst:+.3f}",
             fmt(*mean_std([x["val_loss"] for x in recs])),
-            "–" if math.isnan(d[0]) else f"{d[0]:+.4f} ± {d[1]:.4f}",
+            interval(diffs, 4) if diffs else "–",
             " / ".join(f"{v:+.3f}" for v in diffs) or "–",
         ]
         cells += loss_cells(by_row, r, "seq", lengths)
@@ -141,28 +141,86 @@ def frontier_table(by_row: dict[str, list[dict]], base: dict[int, float], length
     return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
 
 
+def heads_cell(recs: list[dict]) -> str:
+    """Whether a row's heads really held different windows: the share of its steps at which some layer's heads
+    differed (mean over seeds) and in how many seeds that ever happened. A row meant to give heads their own windows
+    whose tables stayed one window for all is flagged, never reported as per-head."""
+    shares = [x.get("nonuniform_share", math.nan) for x in recs]
+    if all(math.isnan(v) for v in shares):
+        return "–"
+    ever = sum(v > 0 for v in shares)
+    text = f"{mean_std(shares)[0]:.0%} of steps, {ever}/{len(recs)} seeds"
+    if recs[0].get("policy") not in ONE_WINDOW_POLICIES and ever < len(recs):
+        text += " **UNIFORM in " + ("every seed" if ever == 0 else f"{len(recs) - ever} seed(s)") + ": not per-head**"
+    return text
+
+
 def versus_uniform_table(by_row: dict[str, list[dict]]) -> str:
-    """Markdown: at each target, every other family's val loss minus the ``fixed`` row's at the same target, paired
-    by seed (the decisive comparison: per-head windows against one window for all at the same compute). "all seeds"
-    says whether the sign is the same for every seed."""
-    lines = [
-        "| target ACR | family | Δ val loss vs fixed, mean ± std | Δ per seed | all seeds agree |",
-        "|---|---|---|---|---|",
-    ]
+    """Markdown: at each target, every other family against the ``fixed`` row of the same target, paired by seed
+    (the decisive comparison: per-head windows against one window for all at the same compute): the mean difference
+    with its 95 % interval, and "better" or "worse" only where the interval excludes zero. With the recall task, the
+    same for the recall accuracy (higher is better)."""
+    recall = any("recall_acc" in x for recs in by_row.values() for x in recs)
+    head = (
+        "| target ACR | family | heads held different windows | Δ val loss vs fixed [95 % CI] | verdict | Δ per seed |"
+    )
+    rule = "|---|---|---|---|---|---|"
+    if recall:
+        head += " Δ recall accuracy vs fixed [95 % CI] | verdict |"
+        rule += "---|---|"
     uniform = {t: r for t, f, r in frontier_rows(by_row) if f == UNIFORM}
     entries = []
     for target, family, r in frontier_rows(by_row):
         if family in (UNIFORM, BASELINE) or target not in uniform or not by_row[r]:
             continue
-        ref = {x["seed"]: x["val_loss"] for x in by_row[uniform[target]]}
-        diffs = paired_diffs(by_row[r], ref)
+        diffs = paired_diffs(by_row[r], {x["seed"]: x["val_loss"] for x in by_row[uniform[target]]})
         if not diffs:
             continue
-        d = mean_std(diffs)
-        agree = "below" if all(v < 0 for v in diffs) else "above" if all(v > 0 for v in diffs) else "no"
-        cells = [f"{target:g}", family, f"{d[0]:+.4f} ± {d[1]:.4f}", " / ".join(f"{v:+.3f}" for v in diffs), agree]
-        entries.append(((-target, d[0]), "| " + " | ".join(cells) + " |"))
-    return "\n".join([*lines, *(line for _, line in sorted(entries))]) + "\n"
+        cells = [
+            f"{target:g}",
+            family,
+            heads_cell(by_row[r]),
+            interval(diffs, 4),
+            verdict(diffs),
+            " / ".join(f"{v:+.3f}" for v in diffs),
+        ]
+        if recall:
+            ref = {x["seed"]: x.get("recall_acc", math.nan) for x in by_row[uniform[target]]}
+            acc = [x.get("recall_acc", math.nan) - ref.get(x["seed"], math.nan) for x in by_row[r]]
+            cells += [interval(acc, 3), verdict(acc, higher_is_better=True)]
+        entries.append(((-target, statistics_key(diffs)), "| " + " | ".join(cells) + " |"))
+    return "\n".join([head, rule, *(line for _, line in sorted(entries))]) + "\n"
+
+
+def statistics_key(diffs: list[float]) -> float:
+    m = mean_std(diffs)[0]
+    return 0.0 if math.isnan(m) else m
+
+
+def _recall_start(column: str) -> int:
+    return int(column.split(" ", 1)[1].split("-")[0])
+
+
+def recall_table(by_row: dict[str, list[dict]], rows: list[str]) -> str:
+    """Markdown: each row's recall accuracy, overall and by distance to the answer (mean ± std over seeds; a window
+    of ``b`` tokens reaches the answers of bucket ``a-b``), and whether its heads held different windows."""
+    cols = sorted(
+        {k for recs in by_row.values() for x in recs for k in x if k.startswith("recall ")}, key=_recall_start
+    )
+    lines = [
+        "| row | seeds | heads held different windows | recall accuracy | "
+        + " | ".join(c.split(" ", 1)[1] for c in cols)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        recs = by_row[r]
+        if not recs or "recall_acc" not in recs[0]:
+            continue
+        cells = [r, str(len(recs)), heads_cell(recs), fmt(*mean_std([x["recall_acc"] for x in recs]), 3)]
+        cells += [fmt(*mean_std([x.get(c, math.nan) for x in recs]), 2) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
@@ -184,9 +242,13 @@ def span_table(by_row: dict[str, list[dict]], lengths: list[int]) -> str:
 
 
 def frontier_md(by_row: dict[str, list[dict]], base: dict[int, float], records: list[dict]) -> str:
-    """frontier.md: the frontier table, the versus-fixed table and, when the suite ran them, the trained-span one."""
+    """frontier.md: the frontier table, the versus-fixed table, the recall accuracy by distance (recall task) and,
+    when the suite ran them, the trained-span one."""
     frontier = frontier_table(by_row, base, eval_lengths(records))
     frontier += "\n" + versus_uniform_table(by_row)
+    if any("recall_acc" in x for x in records):
+        order = [r for _, _, r in sorted(frontier_rows(by_row), key=lambda e: (-e[0], e[1]))]
+        frontier += "\n" + recall_table(by_row, order)
     if eval_lengths(records, "span"):
         frontier += "\n" + span_table(by_row, eval_lengths(records, "span"))
     return frontier

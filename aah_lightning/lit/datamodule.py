@@ -5,6 +5,10 @@ tokenized once into a folder under the cache folder (``data/prepare.py``), ``tok
 slices of the stream; the held-out blocks are its tail (validation last, test before it). Streamed corpora (``hub``)
 go through ``data/streaming.py``.
 
+``recall`` generates the associative-recall task (``data/recall.py``) block by block; with ``recall_fraction`` a
+share of a text corpus's blocks are recall blocks instead (``MixedBlocks``). Recall blocks carry a ``loss_mask``
+(training and the loss count only the predictable targets) and ``recall_distance`` (the module's recall accuracy).
+
 Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
 permutations), streamed ones through ``split_dataset_by_node``. The training position is part of every checkpoint
 (``state_dict``), so a resumed run continues with exactly the batches the interrupted one would have seen next.
@@ -26,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from aah_lightning.data import corpora, prepare
 from aah_lightning.data.packing import EndlessSampler, TokenBlocks
 from aah_lightning.data.prompts import prompt_loader
+from aah_lightning.data.recall import GAPS, RecallBlocks
 from aah_lightning.data.streaming import StreamedBlocks, held_out_head
 from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.token_folder import TokenStream, open_folder, read_meta
@@ -33,8 +38,33 @@ from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.lit.distributed import gather
 
-Source = Literal["stdlib", "files", "tokens", "hub", "synthetic"]
+Source = Literal["stdlib", "files", "tokens", "hub", "synthetic", "recall"]
 SOURCES = get_args(Source)
+
+
+class MixedBlocks(torch.utils.data.Dataset):
+    """Text blocks with recall blocks among them: ``recall`` blocks after the ``text`` blocks, every item with a
+    ``loss_mask`` and ``recall_distance`` (all targets and no answers for text), so that batches can mix both. The
+    sampler's seeded permutation spreads them out."""
+
+    def __init__(self, text: TokenBlocks, recall: RecallBlocks):
+        self.text, self.recall = text, recall
+
+    def __len__(self) -> int:
+        return len(self.text) + len(self.recall)
+
+    def __getitem__(self, i: int) -> dict:
+        if i >= len(self.text):
+            return {**self.recall[i - len(self.text)], "index": i}
+        item = self.text[i]
+        seq_len = len(item["tokens"]) - 1
+        return {
+            "tokens": item["tokens"],
+            "doc_ids": item["doc_ids"],
+            "loss_mask": torch.ones(seq_len, dtype=torch.bool),
+            "recall_distance": torch.zeros(seq_len, dtype=torch.int64),
+            "index": i,
+        }
 
 
 class PositionedLoader(DataLoader):
@@ -69,6 +99,11 @@ class TextDataModule(L.LightningDataModule):
         synthetic_documents: int = 2000,
         synthetic_vocab: int = 64,
         synthetic_distance: Optional[int] = None,
+        recall_keys: int = 32,
+        recall_values: int = 16,
+        recall_gaps: Literal["mix", "uniform", "loguniform"] = "mix",
+        recall_blocks: int = 1_000_000,
+        recall_fraction: float = 0.0,
         num_workers: int = 0,
         num_proc: Optional[int] = None,
         seed: int = 1234,
@@ -78,7 +113,7 @@ class TextDataModule(L.LightningDataModule):
         """
         Args:
             source: stdlib (embedded default corpus, no network), files, tokens (a prepared token folder), hub
-                (streamed) or synthetic.
+                (streamed), synthetic (copies at one distance) or recall (multi-query associative recall).
             seq_len: tokens per training sequence (blocks hold seq_len + 1).
             batch_size: sequences per batch and rank.
             tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder. For
@@ -91,12 +126,21 @@ class TextDataModule(L.LightningDataModule):
             hub_split: the hub dataset's split to read.
             val_fraction: share of the blocks held out for validation: the tail of the seeded stream (map-style).
             test_fraction: share of the blocks held out for ``aah test``: the blocks just before validation.
-            val_blocks: number of held-out validation blocks for source=hub (the head of the stream).
-            test_blocks: number of held-out test blocks for source=hub (after the validation blocks).
+            val_blocks: number of held-out validation blocks for source=hub (the head of the stream) and recall.
+            test_blocks: number of held-out test blocks for source=hub (after the validation blocks) and recall.
             max_documents: use only the first N documents (after the seeded shuffle); None = all.
             synthetic_documents: number of synthetic documents (source=synthetic).
             synthetic_vocab: symbols of the synthetic language.
             synthetic_distance: long-range copy distance; default seq_len // 2.
+            recall_keys: keys of the recall task (at least the slots of a sequence would need: a key is bound once
+                per sequence).
+            recall_values: values of the recall task (chance accuracy is 1 / recall_values).
+            recall_gaps: how far a key comes back, in 3-token slots: mix (half log-uniform, half uniform over the
+                sequence), uniform or loguniform.
+            recall_blocks: training sequences of source=recall (generated on demand: none is stored); validation and
+                test use val_blocks / test_blocks sequences of their own.
+            recall_fraction: with a text source (stdlib, files, tokens): this share of the training, validation and
+                test blocks are recall sequences, with ids above the tokenizer's (0 = none).
             num_workers: DataLoader workers.
             num_proc: tokenizer processes when a token folder is prepared; default 1 for corpora under 64 MB of
                 text, else up to 4.
@@ -118,6 +162,24 @@ class TextDataModule(L.LightningDataModule):
             f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})",
         )
         require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
+        require(recall_gaps in GAPS, "data.recall_gaps", recall_gaps, f"one of {', '.join(GAPS)}")
+        require(isinstance(recall_values, int) and recall_values >= 2, "data.recall_values", recall_values, ">= 2")
+        require(isinstance(recall_blocks, int) and recall_blocks >= 1, "data.recall_blocks", recall_blocks, ">= 1")
+        require(
+            0.0 <= recall_fraction < 1.0 and (recall_fraction == 0 or source in ("stdlib", "files", "tokens")),
+            "data.recall_fraction",
+            recall_fraction,
+            "in [0, 1), and above 0 only with data.source stdlib, files or tokens",
+        )
+        if source == "recall" or recall_fraction > 0:
+            slots = -(-(seq_len + 1) // 3)
+            require(
+                isinstance(recall_keys, int) and recall_keys >= 2,
+                "data.recall_keys",
+                recall_keys,
+                f">= 2 (a sequence of data.seq_len={seq_len} has {slots} slots; fewer keys than slots make keys come "
+                f"back early)",
+            )
         if source == "files":
             corpora.expand_paths(paths or [])  # fail now, not after the model is built
         if source == "hub":
@@ -129,9 +191,14 @@ class TextDataModule(L.LightningDataModule):
         if source == "synthetic":
             self.tokenizer = None
             self._vocab, self._eos = synthetic_vocab + 1, synthetic_vocab
+        elif source == "recall":
+            self.tokenizer = None
+            self._vocab, self._eos = recall_keys + recall_values + 1, recall_keys + recall_values
         else:
             self.tokenizer = load_tokenizer(tokenizer)
             self._vocab, self._eos = self.tokenizer.vocab_size, self.tokenizer.eos_id
+            if recall_fraction > 0:  # the recall task's keys and values above the tokenizer's ids
+                self._vocab += recall_keys + recall_values
         if source == "tokens":
             self._check_folder_tokenizer(read_meta(path, "data.path"))
         self.train_set = self.val_set = self.test_set = None
@@ -216,6 +283,12 @@ class TextDataModule(L.LightningDataModule):
         if hp.source == "hub":
             self._setup_stream()
             return
+        if hp.source == "recall":
+            world = self._rank_world()[1]
+            self.train_set = self._recall_blocks(hp.recall_blocks, "train")
+            self.val_set = self._recall_blocks(max(world, hp.val_blocks), "val")
+            self.test_set = self._recall_blocks(max(world, hp.test_blocks) if hp.test_blocks > 0 else 0, "test")
+            return
         stream = self._token_stream()
         what = f"data.path={hp.path!r}" if hp.source == "tokens" else f"data.source={hp.source!r}"
         block = hp.seq_len + 1
@@ -236,6 +309,21 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = TokenBlocks(stream, hp.seq_len, 0, n_train)
         self.test_set = TokenBlocks(stream, hp.seq_len, n_train, n_test)
         self.val_set = TokenBlocks(stream, hp.seq_len, n_train + n_test, n_val)
+        if hp.recall_fraction > 0:  # the same share of recall blocks in every split
+            offset = self.tokenizer.vocab_size
+
+            def share(n):
+                return int(round(n * hp.recall_fraction / (1 - hp.recall_fraction)))
+
+            self.train_set = MixedBlocks(self.train_set, self._recall_blocks(share(n_train), "train", offset))
+            self.test_set = MixedBlocks(self.test_set, self._recall_blocks(share(n_test), "test", offset))
+            self.val_set = MixedBlocks(self.val_set, self._recall_blocks(share(n_val), "val", offset))
+
+    def _recall_blocks(self, count: int, split: str, offset: int = 0) -> RecallBlocks:
+        hp = self.hparams
+        return RecallBlocks(
+            hp.seq_len, count, hp.recall_keys, hp.recall_values, hp.recall_gaps, hp.seed, split, offset=offset
+        )
 
     def _setup_stream(self) -> None:
         hp = self.hparams
@@ -322,7 +410,7 @@ class TextDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         if not len(self.test_set):
-            setting = "data.test_blocks" if self.hparams.source == "hub" else "data.test_fraction"
+            setting = "data.test_blocks" if self.hparams.source in ("hub", "recall") else "data.test_fraction"
             raise ConfigError(f"{setting}=0 holds out no test blocks: set it above 0 to run aah test")
         return self._held_out_loader(self.test_set)
 
@@ -342,7 +430,7 @@ class TextDataModule(L.LightningDataModule):
             "world_size": self._rank_world()[1],
             "num_workers": hp.num_workers if hp.source == "hub" else 0,
         }
-        if isinstance(self.train_set, TokenBlocks):  # the permutation is of this many blocks
+        if self.train_set is not None and not isinstance(self.train_set, IterableDataset):  # permuted: this many
             layout["train_blocks"] = len(self.train_set)
         return layout
 

@@ -9,6 +9,7 @@ part                       tags                                                 
 =========================  ======================================================  ====================================
 ``TableScalars``           aah/acr, aah/causal_coverage, aah/block_density,        every ``every_n_steps`` and when the
                            aah/window_fraction/<W>, aah/window_change_rate,        table changes
+                           aah/distinct_windows, aah/window_spread,
                            aah/levels_used, aah/groups/level_<k> (+ /layer_<l>)
 ``WindowHistograms``       aah/windows (+ /layer_<l>)                              with the scalars
 ``WindowMap``              aah/window_map                                          when the table or the policy's
@@ -46,6 +47,8 @@ class TableScalars:
         "aah/block_density",
         "aah/window_fraction/<W>",
         "aah/window_change_rate",
+        "aah/distinct_windows",
+        "aah/window_spread",
         "aah/levels_used",
         "aah/groups/level_<k>",
     )
@@ -64,7 +67,12 @@ class TableScalars:
         per_layer = {
             "aah/acr": metrics.layer_acr(table, seq_len),
             "aah/causal_coverage": metrics.layer_causal_coverage(table, seq_len),
+            # Whether the heads of a layer really differ: 1 distinct window / spread 0 is one window for all.
+            "aah/distinct_windows": metrics.layer_distinct_windows(table, seq_len),
+            "aah/window_spread": metrics.layer_window_spread(table, seq_len),
         }
+        for tag in ("aah/distinct_windows", "aah/window_spread"):
+            values[tag] = sum(per_layer[tag]) / len(per_layer[tag])
         if self.block_density:
             density, _ = metrics.plan_block_density(
                 self.plans_in_use(pl_module, seq_len), table, seq_len, pl_module.model.cfg.block_size

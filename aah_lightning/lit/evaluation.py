@@ -5,6 +5,10 @@
   queries before position W, so a window's cost shows in the buckets from W on; evaluated at a longer sequence than
   trained, the buckets past the trained length show how a model extrapolates. Logged as
   ``val/loss_by_position/<first>-<last>`` (and ``test/...``), token-weighted, summed over ranks.
+* ``RecallAccuracy``: on the recall task (``data/recall.py``), the share of answers whose most likely token is the
+  right value, overall and by the distance to the answer in eighths of the sequence (``val/recall_acc``,
+  ``val/recall_acc_by_distance/<a>-<b>``: answers that a window of ``b`` tokens reaches and one of ``a - 1`` does
+  not), summed over ranks.
 * ``BitsPerByte``: the loss in bits per byte of the text the predicted tokens encode (``val/bpb``, ``test/bpb``):
   comparable across tokenizers.
 * ``widen_full_windows``: a checkpoint evaluated (or trained on) at a longer sequence than it was trained on. A head
@@ -47,14 +51,14 @@ class PositionLoss(Metric):
         self.add_state("count", torch.zeros(_SLOTS, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("length", torch.zeros((), dtype=torch.long), dist_reduce_fx="max")
 
-    def update(self, token_losses: Tensor) -> None:
-        """``token_losses``: ``[B, T]``, the loss of predicting the token after each position."""
+    def update(self, token_losses: Tensor, mask: Tensor | None = None) -> None:
+        """``token_losses``: ``[B, T]``, the loss of predicting the token after each position; ``mask`` ``[B, T]``:
+        the targets that count (None: all)."""
         batch, seq_len = token_losses.shape
         index = bucket_of(torch.arange(seq_len, device=token_losses.device))
-        self.total.index_add_(0, index, token_losses.detach().sum(0).to(torch.float64))
-        self.count.index_add_(
-            0, index, torch.full((seq_len,), float(batch), dtype=torch.float64, device=token_losses.device)
-        )
+        weight = torch.ones_like(token_losses) if mask is None else mask.to(token_losses.dtype)
+        self.total.index_add_(0, index, (token_losses.detach() * weight).sum(0).to(torch.float64))
+        self.count.index_add_(0, index, weight.sum(0).to(torch.float64))
         self.length = torch.maximum(self.length, torch.tensor(seq_len, device=self.length.device))
 
     def compute(self) -> dict[str, Tensor]:
@@ -63,6 +67,36 @@ class PositionLoss(Metric):
         for i in torch.nonzero(self.count).flatten().tolist():
             lo, hi = bucket_range(i, int(self.length))
             out[f"{lo}-{hi}"] = (self.total[i] / self.count[i]).float()
+        return out
+
+
+class RecallAccuracy(Metric):
+    """Accuracy of the recall answers, overall and per distance bucket ``(k * w, (k + 1) * w]`` of width
+    ``w = seq_len / 8`` (buckets past the sequence, at a longer evaluation length, continue with the same width)."""
+
+    full_state_update = False
+
+    def __init__(self, seq_len: int, **kwargs):
+        super().__init__(**kwargs)
+        self.width = max(1, seq_len // 8)
+        self.add_state("correct", torch.zeros(_SLOTS * 8, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(_SLOTS * 8, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: Tensor, targets: Tensor, distance: Tensor) -> None:
+        """``logits`` ``[B, T, V]``, ``targets`` ``[B, T]``; ``distance`` ``[B, T]``: 0 where a target is no answer."""
+        answer = distance > 0
+        if not answer.any():
+            return
+        hit = (logits[answer].argmax(-1) == targets[answer]).to(torch.float64)
+        bucket = ((distance[answer] - 1) // self.width).clamp(max=len(self.count) - 1)
+        self.correct.index_add_(0, bucket, hit)
+        self.count.index_add_(0, bucket, torch.ones_like(hit))
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{"all": accuracy, "<a>-<b>": accuracy of answers at distance a..b}`` for every bucket with answers."""
+        out = {"all": (self.correct.sum() / self.count.sum()).float()}
+        for i in torch.nonzero(self.count).flatten().tolist():
+            out[f"{i * self.width + 1}-{(i + 1) * self.width}"] = (self.correct[i] / self.count[i]).float()
         return out
 
 

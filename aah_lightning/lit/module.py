@@ -18,7 +18,7 @@ from aah_lightning import validation
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
-from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, widen_full_windows
+from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
@@ -59,6 +59,61 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class WindowUsage:
+    """What the run's windows cost and whether heads differed, over all its optimizer steps (in checkpoints).
+
+    ``window_sum[l, h]``: the sum over steps of ``min(W, T)`` (divided by steps and T: each head's ACR averaged over
+    the run); ``steps``; ``nonuniform_steps``: steps at which some layer's heads held different windows. One small
+    device add per step and a host check only when the table changes, so training never waits for it.
+    """
+
+    def __init__(self, n_layer: int, n_head: int, seq_len: int):
+        self.seq_len = seq_len
+        self.window_sum: torch.Tensor | None = None  # int64 [L, H], on the model's device once training starts
+        self.steps = 0
+        self.nonuniform_steps = 0
+        self._nonuniform: bool | None = None  # of the table in force (None: not looked at yet)
+        self._shape = (n_layer, n_head)
+
+    def step(self, windows: torch.Tensor, changed: bool) -> None:
+        if self.window_sum is None:
+            self.window_sum = torch.zeros(self._shape, dtype=torch.int64, device=windows.device)
+        elif self.window_sum.device != windows.device:  # restored from a checkpoint on the CPU
+            self.window_sum = self.window_sum.to(windows.device)
+        self.window_sum.add_(windows.clamp(max=self.seq_len))
+        if changed or self._nonuniform is None:
+            rows = windows.detach().clamp(max=self.seq_len).cpu()
+            self._nonuniform = bool((rows != rows[:, :1]).any())
+        self.steps += 1
+        self.nonuniform_steps += int(self._nonuniform)
+
+    def head_acr(self) -> torch.Tensor:
+        """``[L, H]`` float64: each head's ACR averaged over the run's steps."""
+        if self.window_sum is None or not self.steps:
+            return torch.full(self._shape, float("nan"), dtype=torch.float64)
+        return self.window_sum.cpu().to(torch.float64) / (self.steps * self.seq_len)
+
+    def state_dict(self) -> dict:
+        total = self.window_sum.cpu() if self.window_sum is not None else torch.zeros(self._shape, dtype=torch.int64)
+        return {"window_sum": total, "steps": self.steps, "nonuniform_steps": self.nonuniform_steps}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state or tuple(state["window_sum"].shape) != self._shape:
+            return
+        self.window_sum = state["window_sum"].to(torch.int64).clone()
+        self.steps, self.nonuniform_steps = int(state["steps"]), int(state["nonuniform_steps"])
+        self._nonuniform = None
+
+
+def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean loss over the targets that count: all, or those of ``loss_mask`` (the recall task's predictable
+    targets; data/recall.py)."""
+    if mask is None:
+        return losses.mean()
+    mask = mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
 class AAHModule(L.LightningModule):
@@ -124,7 +179,9 @@ class AAHModule(L.LightningModule):
         self.test_loss = MeanMetric()
         self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
         self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
+        self.val_recall, self.test_recall = RecallAccuracy(seq_len), RecallAccuracy(seq_len)  # recall task batches
         self.table_sync = distributed.WindowTableSync()
+        self.window_usage = WindowUsage(n_layer, n_head, seq_len)
         self._prepared = False
         self._rng_to_restore = None
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
@@ -151,16 +208,18 @@ class AAHModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(tokens, doc_ids)
 
-    def _token_losses(self, batch) -> torch.Tensor:
-        """``[B, T]``: the cross-entropy of each next-token prediction."""
+    def _token_losses(self, batch, recall: RecallAccuracy | None = None) -> torch.Tensor:
+        """``[B, T]``: the cross-entropy of each next-token prediction (``recall``: also scores the recall answers)."""
         inputs, targets, docs = split_batch(batch)
         logits = self.model(inputs, docs)
         # Classes last and rows contiguous, as in the usual flattened form (the fast kernel path on every device).
         losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        if recall is not None and "recall_distance" in batch:
+            recall.update(logits.detach(), targets, batch["recall_distance"])
         return losses.view_as(targets)
 
     def _loss(self, batch) -> torch.Tensor:
-        return self._token_losses(batch).mean()
+        return _masked_mean(self._token_losses(batch), batch.get("loss_mask"))
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Policies decide once per optimizer step (the first micro-batch of it), identically on every rank.
@@ -169,7 +228,9 @@ class AAHModule(L.LightningModule):
             table = self.policy.on_train_step(self.global_step, self.model, batch)
             if table is not None:
                 self.model.set_windows(table)
-            self.table_sync.update(self.model.windows, self.global_step, self.model.windows._version != version)
+            changed = self.model.windows._version != version
+            self.table_sync.update(self.model.windows, self.global_step, changed)
+            self.window_usage.step(self.model.windows, changed)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -190,12 +251,23 @@ class AAHModule(L.LightningModule):
         return mean
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        losses = self._token_losses(batch)
-        loss = losses.mean()
-        self.val_loss.update(loss, weight=batch["tokens"].shape[0])
-        self.val_position_loss.update(losses)
+        self._evaluate(batch, self.val_loss, self.val_position_loss, self.val_bpb, self.val_recall)
+
+    def _evaluate(self, batch, mean: MeanMetric, positions: PositionLoss, bpb: BitsPerByte, recall) -> None:
+        losses = self._token_losses(batch, recall)
+        mask = batch.get("loss_mask")
+        loss = _masked_mean(losses, mask)
+        mean.update(loss, weight=batch["tokens"].shape[0] if mask is None else mask.sum())
+        positions.update(losses, mask)
         if "bytes" in batch:
-            self.val_bpb.update(loss, losses.numel(), batch["bytes"])
+            bpb.update(loss, losses.numel(), batch["bytes"])
+
+    def _log_recall(self, prefix: str, recall: RecallAccuracy) -> None:
+        if recall.count.sum() > 0:
+            scores = recall.compute()
+            self.log(f"{prefix}/recall_acc", scores.pop("all"))
+            self.log_dict({f"{prefix}/recall_acc_by_distance/{k}": v for k, v in scores.items()})
+        recall.reset()
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -207,14 +279,10 @@ class AAHModule(L.LightningModule):
         if self.val_bpb.update_count:
             self.log("val/bpb", self.val_bpb.compute().float())
             self.val_bpb.reset()
+        self._log_recall("val", self.val_recall)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        losses = self._token_losses(batch)
-        loss = losses.mean()
-        self.test_loss.update(loss, weight=batch["tokens"].shape[0])
-        self.test_position_loss.update(losses)
-        if "bytes" in batch:
-            self.test_bpb.update(loss, losses.numel(), batch["bytes"])
+        self._evaluate(batch, self.test_loss, self.test_position_loss, self.test_bpb, self.test_recall)
 
     def on_test_epoch_end(self) -> None:
         loss = self.test_loss.compute()
@@ -226,6 +294,7 @@ class AAHModule(L.LightningModule):
         if self.test_bpb.update_count:
             self.log("test/bpb", self.test_bpb.compute().float())
             self.test_bpb.reset()
+        self._log_recall("test", self.test_recall)
 
     def predict_step(self, batch: dict, batch_idx: int) -> list:
         """Continue every prompt of the batch (data/prompts.py) with the per-head window KV cache."""
@@ -287,6 +356,7 @@ class AAHModule(L.LightningModule):
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
         checkpoint["aah_rng"] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
+        checkpoint["aah_window_usage"] = self.window_usage.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
@@ -295,6 +365,7 @@ class AAHModule(L.LightningModule):
         if self.hparams.get("full_heads_beyond_trained", "whole_context") == "whole_context":
             widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
+        self.window_usage.load_state_dict(checkpoint.get("aah_window_usage"))
         states = checkpoint.get("aah_rng")
         world = self.trainer.world_size if self._trainer is not None else 1
         if states is not None and len(states) == world:

@@ -43,12 +43,20 @@ class ControllerConfig:
             per-head cost of each layer, or of the whole model (``budget_scope``).
         target_causal_coverage: optional compute budget as causal coverage (at most one budget), per layer or for
             the whole model (``budget_scope``).
-        budget_scope: ``layer`` (each layer within the budget; the ``reach`` allocator shares it top-down) or
-            ``model`` (one budget for all layers: ``controller/budget.py`` chooses every group's window at once,
-            maximising the kept attention mass; ``reach`` only).
+        budget_scope: ``layer`` (each layer within the budget) or ``model`` (one budget for all layers). Either way
+            ``controller/budget.py`` chooses the window of every finest group exactly, maximising the kept attention
+            mass (``reach`` only).
         budget_over_run: the budget is the mean over the whole run, the full-context warmup included: each
             decision's ceiling is what the remaining steps may still spend (``controller/budget.py``).
-        parent_constraint: a child group's window never exceeds its parent's.
+        parent_constraint: a child group's window never exceeds its parent's (without a budget: the child is capped
+            at what its parent's mass needs; under a budget a parent takes its widest child's window, so this always
+            holds).
+        settle_margin: how much a decision must gain before a window moves, so that a table stops changing when
+            nothing changes but probe noise. Without a budget, a dead band around ``coverage_target``: a group grows
+            only when its window holds less than ``coverage_target - settle_margin`` of its mass and shrinks only to
+            a window holding at least ``coverage_target + settle_margin``. Under a budget, the table in force stays
+            (per layer, or for the model) while it fits the ceiling and the new choice keeps less than this much more
+            attention mass per head it would move. 0 = always take the new choice.
         warmup_steps: every head sees the full context until this step; the first decision is made here.
         control_interval: decide every this many steps after warmup.
         freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
@@ -77,6 +85,7 @@ class ControllerConfig:
     budget_scope: str = "layer"
     budget_over_run: bool = False
     parent_constraint: bool = True
+    settle_margin: float = 0.02
     warmup_steps: int = 100
     control_interval: int = 50
     freeze_after: Optional[int] = None
@@ -124,6 +133,7 @@ class ControllerConfig:
         )
         require(isinstance(self.depth, int) and self.depth >= 1, key + "depth", self.depth, "an integer >= 1")
         require(0 < self.coverage_target <= 1, key + "coverage_target", self.coverage_target, "in (0, 1]")
+        require(0 <= self.settle_margin < 1, key + "settle_margin", self.settle_margin, "in [0, 1) (0 = off)")
         require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
         require(self.control_interval >= 1, key + "control_interval", self.control_interval, ">= 1")
         require(
@@ -156,12 +166,11 @@ class ControllerConfig:
                 getattr(self, name),
                 "only with a budget: set target_acr or target_causal_coverage",
             )
-        require(
-            self.budget_scope == "layer" or self.allocator == "reach",
-            key + "budget_scope",
-            self.budget_scope,
-            f"model needs allocator: reach (allocator {self.allocator!r} does not take a budget)",
-        )
+        if self.budget() is not None and self.allocator != "reach":
+            raise ConfigError(
+                f"{key}allocator={self.allocator!r} does not take a compute budget (its decisions have no notion of "
+                f"cost): use allocator: reach, or remove target_acr / target_causal_coverage"
+            )
 
     def budget(self) -> tuple[str, float] | None:
         """``(measure, per-head budget)`` of the compute ceiling, or None."""

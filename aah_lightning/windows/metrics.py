@@ -53,6 +53,17 @@ def layer_causal_coverage(table: Tensor, seq_len: int) -> list[float]:
     return [float(causal_coverage(row, seq_len)) for row in table]
 
 
+def layer_distinct_windows(table: Tensor, seq_len: int) -> list[int]:
+    """How many different windows each layer's heads run with (windows >= T count as T): 1 = one window for all."""
+    return [len(set(torch.clamp(row, max=seq_len).tolist())) for row in table]
+
+
+def layer_window_spread(table: Tensor, seq_len: int) -> list[float]:
+    """Octaves between each layer's widest and narrowest window, ``log2(max / min)`` of ``min(W, T)``: 0 = uniform."""
+    clipped = torch.clamp(table.to(torch.float64), min=1, max=seq_len)
+    return [float(torch.log2(row.max() / row.min())) for row in clipped]
+
+
 def layer_block_density(table: Tensor, seq_len: int, block_size: int) -> list[float]:
     """Analytic non-empty tiles / causal tiles per layer: what a BlockMask of the table visits."""
     return [float(block_density(row.view(1, -1), seq_len, block_size)) for row in table]

@@ -3,6 +3,7 @@ table (written by aah_lightning/experiments) checked against the runs' TensorBoa
 with tests/helpers/tb.py."""
 
 import csv
+import json
 import math
 import os
 import shlex
@@ -93,7 +94,8 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     with open(out / "results.csv") as f:
         records = list(csv.DictReader(f))
     assert [(x["row"], int(x["seed"])) for x in records] == [(r, s) for r in sorted(ROWS) for s in SEEDS]
-    assert set(records[0]) == {"row", "seed", "wall_s", *COLUMNS, "pos 0-31"}  # T = 32: one position bucket
+    window_fields = {"policy", "nonuniform_share", "final_distinct_max"}
+    assert set(records[0]) == {"row", "seed", "wall_s", *COLUMNS, "pos 0-31", *window_fields}  # T = 32: one bucket
     for x in records:
         ev = events[(x["row"], int(x["seed"]))]
         assert float(x["val_loss"]) == pytest.approx(last(ev, "val/loss"), rel=1e-6)
@@ -111,7 +113,7 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
         "seeds",
         "val loss",
         "val ppl",
-        "Δ val loss vs baseline",
+        "Δ val loss vs baseline [95 % CI]",
         "gain in last val interval",
         "ACR",
         "ACR, mean over the run",
@@ -135,7 +137,20 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
         ppl = [last(events[(r, s)], "val/ppl") for s in SEEDS]
         assert cell(body[r], 3) == f"{statistics.fmean(ppl):.2f} ± {statistics.stdev(ppl):.2f}"
     diffs = [a - b for a, b in zip(loss["full_adaptive"], loss["baseline"])]  # paired by seed
-    assert cell(body["full_adaptive"], 4) == f"{statistics.fmean(diffs):+.4f} ± {statistics.stdev(diffs):.4f}"
+    half = 12.706 * statistics.stdev(diffs) / math.sqrt(2)  # Student's t, 1 degree of freedom
+    mean = statistics.fmean(diffs)
+    assert cell(body["full_adaptive"], 4) == f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]"
+    # each run's final table and per-head ACR, from its last checkpoint (tables.json)
+    heads = json.loads((out / "tables.json").read_text())
+    assert set(heads) == set(ROWS) and set(heads["baseline"]) == {"0", "1"}
+    assert (
+        heads["baseline"]["0"]["final_table"] == [[32] * 4] * 2
+        and heads["baseline"]["0"]["head_acr"] == [[1.0] * 4] * 2
+    )
+    adaptive = heads["full_adaptive"]["1"]
+    assert all(0 < a <= 1 for row in adaptive["head_acr"] for a in row)
+    shares = [float(x["nonuniform_share"]) for x in records if x["row"] == "baseline"]
+    assert shares == [0.0, 0.0]  # every head of the baseline saw the whole context at every step
     assert cell(body["baseline"], 4) == "–"
     assert cell(body["baseline"], 6) == "1.000 ± 0.000"  # the baseline's every head sees the whole context
     assert float(cell(body["full_adaptive"], 6).split()[0]) <= 0.5  # the controller shortened the windows

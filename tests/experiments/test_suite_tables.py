@@ -50,10 +50,11 @@ def test_frontier_table_pairs_by_seed_and_shows_what_was_paid(tmp_path):
     assert [(b[0], b[1]) for b in body] == [("1", "baseline"), ("0.25", "fixed"), ("0.25", "adaptive_model")]
     fixed, adaptive = body[1], body[2]
     assert fixed[3] == "0.250 ± 0.000" and fixed[4] == "+0.000"
-    assert fixed[6] == "-0.1500 ± 0.0707" and fixed[7] == "-0.100 / -0.200"
+    # mean -0.15, std 0.0707 over 2 seeds: half-width t(0.975, 1) * 0.0707 / sqrt(2) = 12.706 * 0.05
+    assert fixed[6] == "-0.1500 [-0.7853, +0.4853]" and fixed[7] == "-0.100 / -0.200"
     assert fixed[9] == "-0.6500 ± 0.2121"  # 2.0 - 2.5 and 2.1 - 2.9
     assert adaptive[4] == "-0.012"  # the seed furthest from its target, with its sign
-    assert adaptive[6] == "+0.0250 ± 0.1061"  # -0.05 and +0.1
+    assert adaptive[6] == "+0.0250 [-0.9279, +0.9779]"  # -0.05 and +0.1
 
 
 def test_positions_md_orders_buckets_by_position(tmp_path):
@@ -116,7 +117,7 @@ def test_versus_uniform_pairs_each_family_with_the_fixed_row_of_its_target():
     rows = ["baseline", "fixed_acr0.25", "static_acr0.25", "random_acr0.25", "random_acr0.5"]
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
     body = [cells(line) for line in tables.versus_uniform_table(by_row).splitlines()[2:]]
-    assert body == [
-        ["0.25", "static", "-0.0750 ± 0.0354", "-0.100 / -0.050", "below"],
-        ["0.25", "random", "+0.0000 ± 0.1414", "+0.100 / -0.100", "no"],
+    assert body == [  # two seeds: even a difference of the same sign in both is not resolved at 95 %
+        ["0.25", "static", "–", "-0.0750 [-0.3926, +0.2426]", "not resolved", "-0.100 / -0.050"],
+        ["0.25", "random", "–", "+0.0000 [-1.2706, +1.2706]", "not resolved", "+0.100 / -0.100"],
     ]

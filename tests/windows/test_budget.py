@@ -1,4 +1,4 @@
-"""The whole-model budget (budget_scope: model) against brute force; budgets over the run; settings."""
+"""Budgets per layer and for the whole model against brute force; per-head allocation; budgets over the run."""
 
 import itertools
 import math
@@ -32,31 +32,29 @@ def random_hierarchy(n_head: int, g: torch.Generator) -> Hierarchy:
     return Hierarchy(levels)
 
 
-def brute_force(layers: list[LayerInputs], per_head: list[float], budget_total: float):
-    """The best size-weighted mass over every assignment of every group at every level: each group at most the
-    smallest candidate reaching the coverage target of its own profile, children at most their parent (with the
-    parent constraint), the heads' total cost within the budget. Enumerated per layer, then combined."""
+def brute_force(layers: list[LayerInputs], per_head: list[float], budget: float, scope: str):
+    """The best size-weighted mass over every assignment of a window to every level-0 group (each at most the
+    smallest candidate reaching the coverage target of its own profile), the heads' total cost within the budget:
+    per layer (``scope="layer"``, the mass summed over layers) or over all layers. Enumerated per layer, then
+    combined."""
     options = []
     for inp in layers:
         h = inp.hierarchy
-        groups = [(lvl, g) for lvl, level in enumerate(h.levels) for g in range(len(level))]
-        limits = [needed_index(inp.profile[h.levels[lvl][g]].mean(0), inp.coverage_target) for lvl, g in groups]
+        limits = [needed_index(inp.profile[grp].mean(0), inp.coverage_target) for grp in h.levels[0]]
         best: dict[float, float] = {}
         for pick in itertools.product(*[range(lim + 1) for lim in limits]):
-            idx = dict(zip(groups, pick))
-            if inp.parent_constraint and any(
-                idx[(lvl, g)] > idx[(lvl + 1, p)]
-                for lvl in range(len(h.levels) - 1)
-                for g, p in enumerate(h.parents(lvl))
-            ):
-                continue
-            cost = round(sum(len(grp) * per_head[idx[(0, g)]] for g, grp in enumerate(h.levels[0])), 9)
-            mass = sum(len(grp) * float(inp.profile[grp].mean(0)[idx[(0, g)]]) for g, grp in enumerate(h.levels[0]))
+            cost = round(sum(len(grp) * per_head[j] for grp, j in zip(h.levels[0], pick)), 9)
+            mass = sum(len(grp) * float(inp.profile[grp].mean(0)[j]) for grp, j in zip(h.levels[0], pick))
             best[cost] = max(best.get(cost, -1.0), mass)
         options.append(sorted(best.items()))
+    if scope == "layer":
+        return sum(
+            max(m for c, m in opts if c <= budget * inp.profile.shape[0] + 1e-9) for opts, inp in zip(options, layers)
+        )
+    total = budget * sum(inp.profile.shape[0] for inp in layers)
     top = -1.0
     for combo in itertools.product(*options):
-        if sum(c for c, _ in combo) <= budget_total + 1e-9:
+        if sum(c for c, _ in combo) <= total + 1e-9:
             top = max(top, sum(m for _, m in combo))
     return top
 
@@ -70,8 +68,9 @@ def objective(layers, chosen, per_head):
     return mass, cost
 
 
+@pytest.mark.parametrize("scope", ["layer", "model"])
 @pytest.mark.parametrize("measure", ["acr", "causal_coverage"])
-def test_model_budget_matches_brute_force_and_never_exceeds(measure):
+def test_budget_matches_brute_force_and_never_exceeds(measure, scope):
     g = torch.Generator().manual_seed(7)
     for trial in range(25):
         n_layer, n_head = int(torch.randint(2, 4, (1,), generator=g)), int(torch.randint(2, 5, (1,), generator=g))
@@ -95,10 +94,13 @@ def test_model_budget_matches_brute_force_and_never_exceeds(measure):
         per_head = window_costs(cands, T, measure).tolist()
         if target < per_head[0]:
             continue
-        chosen = budget.allocate_model(layers, measure, target)
+        chosen = budget.allocate_within_budget(layers, measure, target, scope)
         mass, cost = objective(layers, chosen, per_head)
         assert cost <= target * n_layer * n_head + 1e-9, trial
-        best = brute_force(layers, per_head, target * n_layer * n_head)
+        if scope == "layer":
+            for inp, ch in zip(layers, chosen):
+                assert objective([inp], [ch], per_head)[1] <= target * n_head + 1e-9, trial
+        best = brute_force(layers, per_head, target, scope)
         assert mass >= 0.99 * best - 1e-9, (trial, mass, best)
         assert mass <= best + 1e-9, (trial, mass, best)  # the brute force is the optimum: the allocator cannot beat it
         for inp, ch in zip(layers, chosen):  # the parent constraint holds at every level
@@ -126,7 +128,7 @@ def test_coarse_grid_rounds_costs_up_and_stays_within_budget(monkeypatch):
             )
             for i in range(2)
         ]
-        chosen = budget.allocate_model(layers, "acr", 0.45)
+        chosen = budget.allocate_within_budget(layers, "acr", 0.45)
         _, cost = objective(layers, chosen, per_head)
         assert cost <= 0.45 * 6 + 1e-9
 
@@ -161,6 +163,61 @@ def test_policy_with_model_budget_spends_across_layers():
         for s, t in tables.items()
     }
     assert kept["model"] > kept["layer"]
+
+
+FAR = [0.1, 0.2, 0.3, 0.5, 0.7, 1.0]  # a head that needs the whole context (T = 1024)
+NEAR = [1.0] * 6  # a head whose mass lies within 32 tokens
+HIERARCHIES = {
+    "flat": Hierarchy([[[0], [1], [2], [3]]]),
+    "one root": Hierarchy([[[0], [1], [2], [3]], [[0, 1, 2, 3]]]),
+    "three levels": Hierarchy([[[0], [1], [2], [3]], [[0, 1], [2, 3]], [[0, 1, 2, 3]]]),
+}
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+@pytest.mark.parametrize("shape", list(HIERARCHIES))
+@pytest.mark.parametrize("cover", [1.0, 0.9])
+def test_one_far_head_and_three_near_heads_get_exactly_their_windows(scope, shape, cover):
+    # ACR 0.3 affords one head at T and three at 32 (0.273) but not a second wide head: the allocation is exactly
+    # that, whatever the hierarchy above the heads (sharing a root's spend would give every head one window).
+    cands, T = [32, 64, 128, 256, 512, 1024], 1024
+    profile = torch.tensor([FAR, NEAR, NEAR, NEAR], dtype=torch.float64)
+    layers = [LayerInputs(HIERARCHIES[shape], profile, profile, cands, T, cover) for _ in range(2)]
+    for chosen in budget.allocate_within_budget(layers, "acr", 0.3, scope):
+        assert [cands[j] for j in chosen[0]] == [1024, 32, 32, 32]
+        if len(chosen) > 1:  # the root takes its widest child
+            assert chosen[-1] == [5]
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_the_policy_gives_one_far_head_the_whole_context_at_both_scopes(scope):
+    # Through the adaptive policy: its grouping and a two-level hierarchy, one decision.
+    cands, T = [32, 64, 128, 256, 512, 1024], 1024
+    prof = torch.tensor([[FAR, NEAR, NEAR, NEAR]] * 2, dtype=torch.float64)
+    policy = adaptive(2, 4, T, cands, depth=2, threshold=0.5, coverage_target=1.0, target_acr=0.3, budget_scope=scope)
+    table = policy.decide(synthetic_features(policy, prof), step=0)
+    assert table.tolist() == [[1024, 32, 32, 32]] * 2
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+@pytest.mark.parametrize("measure", ["acr", "causal_coverage"])
+def test_never_below_the_best_single_window_for_all_heads(measure, scope):
+    # One window for all heads is always a feasible choice, so at any budget the exact allocation keeps at least the
+    # mass of the best uniform window that costs no more.
+    g = torch.Generator().manual_seed(11)
+    cands, T = [8, 16, 32, 64, 128], 128
+    per_head = window_costs(cands, T, measure).tolist()
+    for trial in range(40):
+        n_layer, n_head = 3, int(torch.randint(2, 9, (1,), generator=g))
+        profiles = random_profiles(n_layer, n_head, len(cands), g)
+        layers = [
+            LayerInputs(random_hierarchy(n_head, g), profiles[i], profiles[i], cands, T, 1.0) for i in range(n_layer)
+        ]
+        target = float(torch.empty(1).uniform_(per_head[0], 1.0, generator=g))
+        chosen = budget.allocate_within_budget(layers, measure, target, scope)
+        mass, _ = objective(layers, chosen, per_head)
+        uniform = max(float(profiles[..., j].sum()) for j, c in enumerate(per_head) if c <= target + 1e-12)
+        assert mass >= uniform - 1e-9, (trial, mass, uniform)
 
 
 def test_budget_over_run_pays_for_warmup_and_meets_the_mean():
@@ -230,7 +287,8 @@ def test_unreachable_run_mean_is_one_clear_error():
         ({"budget_scope": "global"}, "budget_scope='global' is not allowed: layer or model"),
         ({"budget_scope": "model"}, "budget_scope='model' is not allowed: only with a budget"),
         ({"budget_over_run": True}, "budget_over_run=True is not allowed: only with a budget"),
-        ({"budget_scope": "model", "target_acr": 0.5, "allocator": "paper"}, "needs allocator: reach"),
+        ({"budget_scope": "model", "target_acr": 0.5, "allocator": "paper"}, "does not take a compute budget"),
+        ({"target_acr": 0.5, "allocator": "paper"}, "allocator='paper' does not take a compute budget"),
     ],
 )
 def test_budget_settings_are_checked(settings, match):
@@ -275,6 +333,7 @@ def test_a_real_run_pays_its_target_on_average(tmp_path, tiny_args):
             "--model.aah.controller.target_acr=0.4",
             "--model.aah.controller.budget_scope=model",
             "--model.aah.controller.budget_over_run=true",
+            "--model.aah.controller.settle_margin=0",  # every decision spends its ceiling (settling may spend less)
             "--diagnostics.every_n_steps=1",
             steps=12,
         )

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from aah_lightning.windows import metrics
-from aah_lightning.windows.controller.allocators import LayerInputs, choose_siblings, reach_allocator, window_costs
+from aah_lightning.windows.controller.allocators import LayerInputs, reach_allocator, settled_need, window_costs
+from aah_lightning.windows.controller.budget import allocate_within_budget
 from aah_lightning.windows.controller.features import FeatureLayout, probe_features
 from aah_lightning.windows.controller.hierarchy import Hierarchy
 from aah_lightning.windows.probe import mass_within
@@ -143,17 +144,32 @@ def test_budget_is_never_exceeded(measure):
                 assert float(spend(table[layer], T)) > float(costs[0])
 
 
-def test_budget_buys_the_largest_gain_per_compute_first():
+def test_budget_buys_the_most_mass_it_can_afford():
     local = torch.tensor([0.9, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     mid = torch.tensor([0.2, 0.3, 0.95, 1.0, 1.0], dtype=torch.float64)
     far = torch.tensor([0.1, 0.1, 0.1, 0.2, 1.0], dtype=torch.float64)
-    costs = window_costs(CANDS, T, "acr")  # 1/16, 1/8, 1/4, 1/2, 1
-    profiles = [local, mid, far]
-    # Room for one upgrade to 16 only: the mid head gains 0.75 per 0.1875 of compute, the far head nothing there.
-    assert choose_siblings(profiles, [1, 1, 1], [4, 4, 4], 1.0, costs, 3 / 16 + 0.1875) == [0, 2, 0]
+    flat = Hierarchy([[[0], [1], [2]]])
+
+    def windows(profiles, cover, acr):
+        inp = LayerInputs(flat, torch.stack(profiles), torch.stack(profiles), CANDS, T, cover)
+        return [CANDS[j] for j in allocate_within_budget([inp], "acr", acr, "layer")[0][0]]
+
+    # Costs 1/16, 1/8, 1/4, 1/2, 1 per head. Room for one upgrade to 16 only: the mid head gains 0.75 there, the
+    # far head nothing.
+    assert windows([local, mid, far], 1.0, (3 / 16 + 0.1875) / 3) == [4, 16, 4]
     # Enough for everything the coverage target asks: the far head gets the whole context too.
-    assert choose_siblings(profiles, [1, 1, 1], [4, 4, 4], 0.9, costs, 3.0) == [0, 2, 4]
-    # Group sizes weigh the gain: two local heads needing window 8 beat one head gaining the same per head.
-    two = torch.tensor([0.5, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
-    one = torch.tensor([0.5, 0.99, 1.0, 1.0, 1.0], dtype=torch.float64)
-    assert choose_siblings([one, two], [1, 2], [4, 4], 1.0, costs, 3 / 16 + 2 / 16) == [0, 1]
+    assert windows([local, mid, far], 0.9, 1.0) == [4, 16, 64]
+    # A far head with nothing short of the whole context: room for that window alone, it beats every mix of the
+    # cheaper upgrades (mass 2.1 against at most 2.05).
+    far_only = torch.tensor([0.05, 0.05, 0.05, 0.05, 1.0], dtype=torch.float64)
+    assert windows([local, mid, far_only], 1.0, (1 / 16 + 1 / 16 + 1) / 3) == [4, 4, 64]
+
+
+def test_settled_need_is_a_dead_band_around_the_target():
+    p = torch.tensor([0.5, 0.88, 0.905, 0.95, 1.0], dtype=torch.float64)
+    assert settled_need(p, 0.9, 0.0, 3) == 2  # no margin: the smallest window reaching the target
+    assert settled_need(p, 0.9, 0.02, 3) == 3  # 0.905 is not clearly above the target: stay at index 3
+    assert settled_need(p, 0.9, 0.02, 1) == 1  # 0.88 is within the band below the target: stay at index 1
+    assert settled_need(p, 0.9, 0.01, 1) == 2  # 0.88 is clearly below: grow to the need
+    assert settled_need(p, 0.9, 0.02, 4) == 3  # shrink, but only to a window holding 0.92
+    assert settled_need(p, 0.9, 0.02, None) == 2  # nothing held: the plain need

@@ -205,6 +205,7 @@ def _fresh(grouping):
             depth=2,
             threshold=0.5,
             target_acr=0.4,  # a ceiling, so that decisions differ from the full context
+            settle_margin=0.0,  # every decision may move windows, so that the resume is tested on moving tables
         ),
     )
     policy = make_policy(cfg, 2, 4, T)

@@ -21,13 +21,14 @@ COPY = T // 2 - 1  # query-key distance of the token to copy
 
 
 @pytest.mark.heavy
-def test_copying_heads_get_the_long_windows_and_the_rest_short_ones():
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(scope):
     L.seed_everything(0)
     # No test blocks: the training order these thresholds were set on (a test split shifts the permutation).
     dm = TextDataModule(
         source="synthetic", seq_len=T, batch_size=16, synthetic_documents=20000, seed=0, test_fraction=0.0
     )
-    controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35)
+    controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35, budget_scope=scope)
     module = AAHModule(
         n_layer=2,
         n_head=4,
@@ -56,17 +57,20 @@ def test_copying_heads_get_the_long_windows_and_the_rest_short_ones():
     short_heads = windows <= 8
     assert long_heads.sum() >= 1
     assert short_heads.sum() > windows.numel() // 2
+    # Per-head allocation really happened: some layer holds a long and a short window side by side.
+    assert any(len(set(row.tolist())) > 1 for row in windows), windows.tolist()
 
-    # The long windows went to the heads that copy: within each layer, every long-window head puts at least as
-    # much of its attention on the copy source as any short-window head.
+    # The long windows went to the heads that copy: the head whose full-causal attention lies most on the copy
+    # source (distance COPY, or the token before it) holds a long window.
     tokens = torch.stack([dm.train_set[i]["tokens"] for i in range(8)])[:, :-1]
     probe = run_probe(module.model, tokens, n_sequences=8, n_queries=T)
     dist = probe.distances()
     copying = probe.queries > COPY
-    for layer, p in enumerate(probe.probs):
-        on_source = (p[:, :, copying] * (dist[copying] == COPY)).sum(-1).mean(dim=(0, 2))  # [H]
-        if long_heads[layer].any() and short_heads[layer].any():
-            assert on_source[long_heads[layer]].min() >= on_source[short_heads[layer]].max()
+    on_source = torch.stack(
+        [(p[:, :, copying] * ((dist[copying] - COPY).abs() <= 1)).sum(-1).mean(dim=(0, 2)) for p in probe.probs]
+    )  # [L, H]
+    assert float(on_source.max()) > 0.3
+    assert long_heads.flatten()[on_source.argmax()]
 
     # And with those windows the model copies: loss on the copied half far below the Markov half's entropy.
     val = torch.stack([dm.val_set[i]["tokens"] for i in range(len(dm.val_set))])

@@ -25,7 +25,7 @@ from aah_lightning.windows import metrics
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller import features as feats
 from aah_lightning.windows.controller.allocators import LayerInputs, window_costs
-from aah_lightning.windows.controller.budget import RunSpend, allocate_model
+from aah_lightning.windows.controller.budget import RunSpend, allocate_within_budget
 from aah_lightning.windows.controller.grouping import (
     Partition,
     cluster_heads,
@@ -37,6 +37,9 @@ from aah_lightning.windows.controller.hierarchy import GroupTree, Hierarchy, bui
 from aah_lightning.windows.controller.registry import make_allocator
 from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.windows.probe import run_probe
+
+# A move must gain more than this many standard errors of the probe's estimate of the kept mass (``settle_bands``).
+SETTLE_SIGMAS = 2.0
 
 
 @register("adaptive")
@@ -89,7 +92,8 @@ class AdaptivePolicy(WindowPolicy):
     # -- measuring ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def measure(self, model, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """Probe ``model`` on ``tokens`` ``[B, T]``: features ``[L, H, F]`` float64 on CPU, averaged over ranks."""
+        """Probe ``model`` on ``tokens`` ``[B, T]``: packed features ``[L, H, F]`` float64 on CPU (``FeatureLayout``:
+        the features and the squared standard errors of the mass profile), averaged over ranks."""
         probe = run_probe(
             model,
             tokens,
@@ -100,8 +104,10 @@ class AdaptivePolicy(WindowPolicy):
         )
         x = feats.probe_features(probe, self.candidates)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
             dist.all_reduce(x, op=dist.ReduceOp.SUM)
-            x = x / dist.get_world_size()
+            x = x / world
+            x[..., self.layout.profile_se2] /= world  # the mean of ``world`` independent probes
         return x.to("cpu", torch.float64)
 
     def profiles(self, x: Tensor) -> Tensor:
@@ -115,13 +121,16 @@ class AdaptivePolicy(WindowPolicy):
         """One control decision from this step's rank-averaged features ``x`` ``[L, H, F]``: the new table."""
         c = self.ctl
         x = x.to(torch.float64)
+        noise = self.profile_noise(x)
+        x = x[..., : self.layout.size]
         if self.ema is None or c.ema_alpha == 0:
             self.ema = x.clone()
         else:
             self.ema = c.ema_alpha * self.ema + (1 - c.ema_alpha) * x
         profiles = self.profiles(self.ema)
         cand = torch.tensor(self.candidates, dtype=torch.int32)
-        table = torch.empty(self.n_layer, self.n_head, dtype=torch.int32)
+        held = None if self.table is None else torch.searchsorted(cand, self.table).tolist()
+        before = (list(self.partitions), list(self.hierarchies), list(self.group_windows))
         ceiling = self.ceiling(step)
         inputs = []
         for layer in range(self.n_layer):
@@ -137,16 +146,17 @@ class AdaptivePolicy(WindowPolicy):
                     seq_len=self.seq_len,
                     coverage_target=c.coverage_target,
                     parent_constraint=c.parent_constraint,
-                    costs=self.costs,
-                    budget=None if ceiling is None else ceiling * self.n_head,
                     layer=layer,
+                    current=None if held is None else held[layer],
+                    settle_margin=self.settle_bands(noise[layer]),
                 )
             )
             self.partitions[layer] = level0
-        if c.budget_scope == "model":
-            chosen_all = allocate_model(inputs, self.budget[0], ceiling)
+        if ceiling is not None:
+            chosen_all = allocate_within_budget(inputs, self.budget[0], ceiling, c.budget_scope)
         else:
             chosen_all = [self.allocator(one) for one in inputs]
+        table = torch.empty(self.n_layer, self.n_head, dtype=torch.int32)
         for layer, (one, chosen) in enumerate(zip(inputs, chosen_all)):
             if c.parent_constraint:
                 _check_parent_constraint(one.hierarchy, chosen)
@@ -154,12 +164,58 @@ class AdaptivePolicy(WindowPolicy):
                 table[layer, group] = cand[idx]
             self.hierarchies[layer] = one.hierarchy
             self.group_windows[layer] = [[self.candidates[i] for i in level] for level in chosen]
+        if ceiling is not None and self.table is not None:
+            for layers in self._kept_units(table, profiles, noise, ceiling):
+                table[layers] = self.table[layers]
+                for layer in layers:
+                    self.partitions[layer], self.hierarchies[layer], self.group_windows[layer] = (
+                        before[0][layer],
+                        before[1][layer],
+                        before[2][layer],
+                    )
         self.spend.record(step, self.table_cost(table))
         index = torch.searchsorted(cand, table)
         self.last_coverage = self.profiles(x).gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
         self.table, self.last_step = table, step
         self.decisions += 1
         return table.clone()
+
+    def profile_noise(self, x: Tensor) -> Tensor:
+        """Standard error ``[L, H, K]`` of this probe's mass profile (0 where ``x`` carries none, e.g. in tests)."""
+        if x.shape[-1] < self.layout.packed_size:
+            return torch.zeros(self.n_layer, self.n_head, len(self.candidates), dtype=torch.float64)
+        return x[..., self.layout.profile_se2].clamp_min(0).sqrt()
+
+    def settle_bands(self, noise: Tensor) -> Tensor:
+        """How much kept mass a move must gain, per head and candidate ``[H, K]``: ``settle_margin``, or
+        ``SETTLE_SIGMAS`` standard errors of the probe's estimate where that is more; 0 when settling is off."""
+        margin = self.ctl.settle_margin
+        if margin <= 0:
+            return torch.zeros_like(noise)
+        return torch.clamp(SETTLE_SIGMAS * noise, min=margin)
+
+    def _kept_units(self, proposal: Tensor, profiles: Tensor, noise: Tensor, ceiling: float) -> list[list[int]]:
+        """Under a budget, the units (a layer, or the whole model with ``budget_scope: model``) whose table in force
+        stays: it still fits the ceiling, and the proposal keeps no more attention mass than the moved heads need
+        to gain, each ``settle_margin`` or ``SETTLE_SIGMAS`` standard errors of its gain's estimate where that is
+        more. The proposal is the exact optimum, so it never keeps less mass than the table in force."""
+        margin = self.ctl.settle_margin
+        if margin <= 0:
+            return []
+        units = [list(range(self.n_layer))] if self.ctl.budget_scope == "model" else [[i] for i in range(self.n_layer)]
+        cand = torch.tensor(self.candidates, dtype=torch.int32)
+        kept = []
+        for layers in units:
+            old, new = self.table[layers], proposal[layers]
+            moved = old != new
+            if not moved.any() or self.table_cost(old) > ceiling + 1e-9:
+                continue
+            idx = [torch.searchsorted(cand, t).long().unsqueeze(-1) for t in (old, new)]
+            gain = float(profiles[layers].gather(-1, idx[1]).sum() - profiles[layers].gather(-1, idx[0]).sum())
+            se = sum(noise[layers].gather(-1, i).squeeze(-1) for i in idx)  # bounds the SE of each head's gain
+            if gain <= float(torch.clamp(SETTLE_SIGMAS * se, min=margin)[moved].sum()):
+                kept.append(layers)
+        return kept
 
     # -- budget ------------------------------------------------------------------------------------------------------
     def table_cost(self, table: Tensor) -> float:

@@ -5,10 +5,10 @@ every group of that level. The policy maps level-0 groups to their heads and che
 ``registry.py`` holds ``ALLOCATORS``, the registry read by ``model.aah.controller.allocator``.
 
 * ``reach`` (default): a group's window is the smallest candidate whose share of the group's full-causal attention
-  mass reaches ``coverage_target``; with a compute ceiling (``target_acr`` / ``target_causal_coverage``) the windows
-  start at the smallest candidate and the largest mass gain per unit of added compute is bought first, sibling
-  against sibling, until the ceiling or the coverage target stops it. This replaces the reference's MLP scorer,
-  which never received a gradient (its "learned" windows were a fixed random function of the statistics).
+  mass reaches ``coverage_target``, and a child is never wider than its parent. Under a compute ceiling
+  (``target_acr`` / ``target_causal_coverage``) the policy calls ``budget.allocate_within_budget`` instead, which
+  chooses the finest groups' windows exactly. This replaces the reference's MLP scorer, which never received a
+  gradient (its "learned" windows were a fixed random function of the statistics).
 * ``paper`` (``paper_allocator.py``): the reference's decision procedure, for parity studies: enriched 29-number
   inputs, a 29->16->K scorer and a joint sibling scorer, argmax, top-down. Its networks are seeded random weights
   that are never trained, exactly as in the reference, where they never receive a gradient.
@@ -34,9 +34,10 @@ class LayerInputs:
 
     profile: ``[H, K]`` float64, share of each head's attention mass within each candidate (EMA-smoothed).
     features: ``[H, F]`` float64, the full packed feature vector (``features.FeatureLayout``), EMA-smoothed.
-    costs: ``[K]`` float64, compute of one head on each candidate, in the budget's measure (None without budget).
-    budget: compute ceiling of the whole layer (sum over heads) in that measure, or None.
     layer: index of the layer (allocators with per-layer state, like ``paper``, read it).
+    current: candidate index of each head's window in the table in force (None before the first decision).
+    settle_margin: dead band around ``coverage_target`` for ``reach`` (``settled_need``), one number or one per head
+        and candidate (``[H, K]``); 0 = none.
     """
 
     hierarchy: Hierarchy
@@ -46,9 +47,9 @@ class LayerInputs:
     seq_len: int
     coverage_target: float
     parent_constraint: bool = True
-    costs: Tensor | None = None
-    budget: float | None = None
     layer: int = 0
+    current: list[int] | None = None
+    settle_margin: float | Tensor = 0.0
 
 
 def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
@@ -67,75 +68,46 @@ def needed_index(profile: Tensor, target: float) -> int:
     return int(reached[0]) if len(reached) else len(profile) - 1
 
 
-def choose_siblings(
-    profiles: list[Tensor], sizes: list[int], caps: list[int], target: float, costs: Tensor | None, budget: float | None
-) -> list[int]:
-    """Candidate indices for one set of sibling groups.
-
-    Without a budget each group takes the smallest candidate reaching ``target`` (at most its cap). With one, every
-    group starts at the smallest candidate and the upgrade (to any larger candidate up to that same limit) with the
-    largest mass gain per unit of added compute is bought while it fits; gains are counted over heads, so a
-    group of 3 weighs 3 times a single head. The spend never exceeds ``budget``.
-    """
-    limits = [min(needed_index(p, target), cap) for p, cap in zip(profiles, caps)]
-    if budget is None:
-        return limits
-    chosen = [0] * len(profiles)
-    spent = sum(s * float(costs[0]) for s in sizes)
-    while True:
-        best = None  # (ratio, group, index, added cost)
-        for g, (p, s) in enumerate(zip(profiles, sizes)):
-            for j in range(chosen[g] + 1, limits[g] + 1):
-                gain = s * float(p[j] - p[chosen[g]])
-                added = s * float(costs[j] - costs[chosen[g]])
-                if gain <= _EPS or spent + added > budget + _EPS:
-                    continue
-                ratio = gain / added
-                if best is None or ratio > best[0] + _EPS:
-                    best = (ratio, g, j, added)
-        if best is None:
-            return chosen
-        _, g, j, added = best
-        chosen[g], spent = j, spent + added
+def settled_need(profile: Tensor, target: float, margin: float | Tensor, current: int | None) -> int:
+    """``needed_index`` with a dead band around ``target`` for a group that holds candidate ``current``: it grows only
+    when its window holds less than ``target - margin`` of its mass, and shrinks only to a window that holds at least
+    ``target + margin``. ``margin`` is one number or one per candidate (``[K]``). Probe noise around the target then
+    no longer moves windows back and forth."""
+    band = torch.as_tensor(margin, dtype=torch.float64).expand(len(profile))
+    need = needed_index(profile, target)
+    if current is None or not bool((band > 0).any()) or need == current:
+        return need
+    if need > current:
+        return need if float(profile[current]) < target - float(band[current]) - _EPS else current
+    clear = (profile >= target + band - _EPS).nonzero()
+    return min(int(clear[0]), current) if len(clear) else current
 
 
 def reach_allocator(inputs: LayerInputs) -> list[list[int]]:
-    """Top-down: the top groups share the layer's budget; each parent's spend is shared by its children, which
-    (with the parent constraint) may not go wider than the parent."""
+    """Top-down: every group takes the smallest candidate reaching ``coverage_target`` of its mass (with the
+    ``settle_margin`` dead band around the window its heads hold), a child at most its parent's (parent
+    constraint)."""
     h = inputs.hierarchy
     K = len(inputs.candidates)
 
-    def profile(group: list[int]) -> Tensor:  # size-weighted mean of children = mean over the heads below
-        return inputs.profile[group].mean(0)
+    def need(group: list[int], level: int) -> int:  # a group's profile: the mean over the heads below it
+        # The window a group holds: at level 0 the one window all its heads hold (heads that held different windows
+        # form a new group, a new decision); above, the widest window below it, which is what a parent allows.
+        held = None if inputs.current is None else {inputs.current[i] for i in group}
+        if held is not None:
+            held = max(held) if level > 0 else (held.pop() if len(held) == 1 else None)
+        band = inputs.settle_margin
+        if isinstance(band, Tensor) and band.dim() == 2:  # per head: a group's band is the mean of its heads'
+            band = band[group].mean(0)
+        return settled_need(inputs.profile[group].mean(0), inputs.coverage_target, band, held)
 
     top = len(h.levels) - 1
-    groups = h.levels[top]
     chosen: list[list[int]] = [[] for _ in h.levels]
-    chosen[top] = choose_siblings(
-        [profile(g) for g in groups],
-        [len(g) for g in groups],
-        [K - 1] * len(groups),
-        inputs.coverage_target,
-        inputs.costs,
-        inputs.budget,
-    )
+    chosen[top] = [need(g, top) for g in h.levels[top]]
     for level in range(top - 1, -1, -1):
-        groups = h.levels[level]
-        chosen[level] = [0] * len(groups)
         parents = h.parents(level)
-        for parent, parent_group in enumerate(h.levels[level + 1]):
-            kids = [c for c, p in enumerate(parents) if p == parent]
-            parent_idx = chosen[level + 1][parent]
-            cap = parent_idx if inputs.parent_constraint else K - 1
-            budget = None if inputs.budget is None else len(parent_group) * float(inputs.costs[parent_idx])
-            picks = choose_siblings(
-                [profile(groups[c]) for c in kids],
-                [len(groups[c]) for c in kids],
-                [cap] * len(kids),
-                inputs.coverage_target,
-                inputs.costs,
-                budget,
-            )
-            for c, idx in zip(kids, picks):
-                chosen[level][c] = idx
+        chosen[level] = [
+            min(need(group, level), chosen[level + 1][p] if inputs.parent_constraint else K - 1)
+            for group, p in zip(h.levels[level], parents)
+        ]
     return chosen

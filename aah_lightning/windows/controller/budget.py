@@ -1,19 +1,22 @@
-"""Compute budgets of the controller: the whole-model allocator and budgets that are a mean over the run.
+"""Compute budgets of the controller: windows chosen per finest group under a ceiling, and budgets over the run.
 
-``budget_scope: model`` (``allocate_model``): one ceiling for the whole model instead of one per layer. Every level-0
-group g of every layer (``s_g`` heads, mass profile ``p_g`` = the mean of its heads' profiles) takes one candidate
-index ``j``; the choice maximises the kept attention mass counted over heads, ``sum_g s_g * p_g[j_g]``, subject to
-``sum_g s_g * cost[j_g] <= budget * n_layer * n_head``. This is a multiple-choice knapsack, solved exactly by dynamic
-programming over the integer total cost: a head's ACR cost is ``min(W, T) / T`` and its causal-coverage cost
-``pairs(W, T) / (T (T + 1) / 2)`` with an integer numerator, so costs are integers in units of their greatest common
-divisor (at T = 4096 with candidates T/8..T, a 16 x 12 model's budget is at most 1,536 units). Budgets above
-``MAX_UNITS`` units (causal coverage of large models) are solved on a coarser grid with every cost rounded *up*, so
-the choice still never exceeds the budget and loses at most one grid unit per group.
+With a budget (``target_acr`` / ``target_causal_coverage``), ``allocate_within_budget`` chooses one candidate index
+``j_g`` for every level-0 group g (``s_g`` heads, mass profile ``p_g`` = the mean of its heads' profiles). The choice
+maximises the kept attention mass counted over heads, ``sum_g s_g * p_g[j_g]``, subject to
+``sum_g s_g * cost[j_g] <= ceiling``, where the ceiling is ``budget * n_head`` for each layer on its own
+(``budget_scope: layer``) or ``budget * n_layer * n_head`` for all layers together (``budget_scope: model``). This
+is a multiple-choice knapsack, solved exactly by dynamic programming over the integer total cost: a head's ACR cost is
+``min(W, T) / T`` and its causal-coverage cost ``pairs(W, T) / (T (T + 1) / 2)`` with an integer numerator, so costs
+are integers in units of their greatest common divisor (at T = 4096 with candidates T/8..T, a 16 x 12 model's budget
+is at most 1,536 units). Budgets above ``MAX_UNITS`` units (causal coverage of large models) are solved on a coarser
+grid with every cost rounded *up*, so the choice still never exceeds the budget and loses at most one grid unit per
+group.
 
-A group never goes wider than the smallest candidate holding ``coverage_target`` of its mass, nor (with the parent
-constraint) wider than what its ancestors' profiles need - the caps the ``reach`` allocator applies top-down - so
-``coverage_target: 1.0`` spends the budget wherever mass is still gained. Upper-level groups only bound their
-children; each takes the widest window of its children, which satisfies the parent constraint by construction.
+The finest groups are the units of choice, so heads under one parent may take different windows. The hierarchy
+constrains bottom-up: a parent's window is the widest of its children's, so no child is wider than its parent. A
+group never goes wider than the smallest candidate holding ``coverage_target`` of its own mass (``coverage_target:
+1.0`` spends the budget wherever mass is still gained). A parent's share of the spend never limits a child: sharing
+a parent's spend top-down gives every head of a layer the parent's window whenever one head needs a wide one.
 
 ``budget_over_run: true`` (``RunSpend``): the target is the mean over the whole training run, the full-context
 warmup included. Each decision's ceiling is what the remaining steps may still spend on average, given what the run
@@ -49,19 +52,8 @@ def integer_costs(candidates: list[int], seq_len: int, measure: str) -> tuple[li
 
 
 def group_caps(inputs: LayerInputs) -> list[int]:
-    """Widest candidate index each level-0 group may take: its own coverage-target index and, with the parent
-    constraint, that of every group above it."""
-    h = inputs.hierarchy
-    caps = [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in h.levels[0]]
-    if not inputs.parent_constraint:
-        return caps
-    owner = list(range(len(h.levels[0])))  # level-0 group -> its ancestor at the current level
-    for level in range(1, len(h.levels)):
-        parents = h.parents(level - 1)
-        owner = [parents[o] for o in owner]
-        need = [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in h.levels[level]]
-        caps = [min(c, need[o]) for c, o in zip(caps, owner)]
-    return caps
+    """Widest candidate index each level-0 group may take: the smallest holding ``coverage_target`` of its mass."""
+    return [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in inputs.hierarchy.levels[0]]
 
 
 def multiple_choice_knapsack(values: list[Tensor], weights: list[list[int]], capacity: int) -> list[int]:
@@ -88,9 +80,20 @@ def multiple_choice_knapsack(values: list[Tensor], weights: list[list[int]], cap
     return out
 
 
-def allocate_model(layers: list[LayerInputs], measure: str, budget: float) -> list[list[list[int]]]:
-    """Candidate indices ``[layer][level][group]`` for every layer at once, under one model-wide ceiling ``budget``
-    (the mean per-head cost in ``measure``, e.g. a target ACR)."""
+def allocate_within_budget(
+    layers: list[LayerInputs], measure: str, budget: float, scope: str = "model"
+) -> list[list[list[int]]]:
+    """Candidate indices ``[layer][level][group]`` for every layer, the mean per-head cost in ``measure`` (e.g. a
+    target ACR) at most ``budget`` in each layer (``scope="layer"``) or over the whole model (``scope="model"``)."""
+    if scope == "layer":
+        return [_knapsack_over([inp], measure, budget)[0] for inp in layers]
+    if scope == "model":
+        return _knapsack_over(layers, measure, budget)
+    raise ValueError(f"unknown budget scope {scope!r}")
+
+
+def _knapsack_over(layers: list[LayerInputs], measure: str, budget: float) -> list[list[list[int]]]:
+    """One knapsack over the level-0 groups of ``layers`` with the ceiling ``budget`` per head on average."""
     first = layers[0]
     per_head, denominator = integer_costs(first.candidates, first.seq_len, measure)
     n_heads = sum(inp.profile.shape[0] for inp in layers)

@@ -10,6 +10,9 @@ and one device-to-host copy. Column layout (``FeatureLayout``):
 * ``profile`` (K): m(c) = share of the mass within distance < c, for every candidate c (the attention-mass coverage
   a window c would have). The reach allocator reads these.
 * ``logdist`` (1): mean log(1 + distance) under the head's probabilities.
+* ``profile_se2`` (K): the squared standard error of each ``profile`` entry (the variance of a sampled query's mass
+  within c, divided by the number of sampled queries). Only the settling rule reads it (how much of a gain in kept
+  mass is probe noise); it is not smoothed or stored, so ``size`` counts the columns before it.
 
 The ``reach`` feature set is profile (candidates shorter than the probe, the others are 1 for every head) plus
 logdist; ``all`` is paper plus reach, each family weighted equally.
@@ -48,12 +51,22 @@ class FeatureLayout:
 
     @property
     def size(self) -> int:
+        """Columns of the smoothed features (the policy's EMA state)."""
         return 10 + self.n_candidates
+
+    @property
+    def profile_se2(self) -> slice:
+        return slice(self.size, self.size + self.n_candidates)
+
+    @property
+    def packed_size(self) -> int:
+        """Columns a probe delivers: the features and ``profile_se2``."""
+        return self.size + self.n_candidates
 
 
 @torch.no_grad()
 def layer_features(q: Tensor, k: Tensor, v: Tensor, probs: Tensor, queries: Tensor, candidates: list[int]) -> Tensor:
-    """Features of one layer's heads: ``[H, 9 + K + 1]`` fp32 on the probe's device.
+    """Features of one layer's heads: ``[H, 9 + K + 1 + K]`` fp32 on the probe's device (``FeatureLayout``).
 
     q, k, v: ``[n, H, T, D]``; probs: ``[n, H, S, T]`` full-causal probabilities of the sampled ``queries`` ``[S]``.
     """
@@ -74,10 +87,13 @@ def layer_features(q: Tensor, k: Tensor, v: Tensor, probs: Tensor, queries: Tens
     rho = probs.gather(-1, queries.view(1, 1, -1, 1).expand(n, H, S, 1)).squeeze(-1).mean(dim=(0, 2))
 
     within = torch.stack([(dist >= 0) & (dist < c) for c in candidates]).to(probs.dtype)  # [K, S, T]
-    profile = torch.einsum("nhst,kst->hk", probs, within) / (n * S)
+    per_query = torch.einsum("nhst,kst->hkns", probs, within).reshape(H, len(candidates), n * S)
+    profile = per_query.mean(-1)
+    se2 = per_query.var(-1, unbiased=n * S > 1) / (n * S)
     logd = torch.log1p(dist.clamp(min=0).to(probs.dtype))
     logdist = (probs * logd).sum(-1).mean(dim=(0, 2))
-    return torch.cat([torch.stack(stats + [e, out_norm, rho], dim=1), profile, logdist.view(H, 1)], dim=1)
+    paper = torch.stack(stats + [e, out_norm, rho], dim=1)
+    return torch.cat([paper, profile, logdist.view(H, 1), se2], dim=1)
 
 
 def probe_features(probe: ProbeResult, candidates: list[int]) -> Tensor:

@@ -1,0 +1,118 @@
+"""Multi-query associative recall: a task whose answers lie at controlled distances across the whole context.
+
+A sequence is made of 3-token slots ``k v k``: a key, its value, and the key again (the echo). Keys and values come
+from disjoint ranges of the vocabulary; within a sequence every key names one value. The first slot of a key binds
+it; afterwards the key comes back after a gap of ``g`` slots (drawn from ``gaps``), again and again. Every return is
+a query: at the returning key the model must predict its value, which only the key's previous slot tells. Slot by
+slot, left to right, a slot holds the returning key that is due earliest, or else a new key (when new keys run out,
+the earliest returning key comes early).
+
+Two kinds of targets carry a signal, and training counts only them (``loss_mask``):
+
+* the **answer** after a returning key (a recall), at distance ``d = i - j`` from the key's last value token ``j``;
+* the **echo** after a value: a copy of the token before it, which a previous-token head predicts. That head also
+  writes the value into the echo's position, so a recall needs one head that reaches from the query back to the echo
+  (``d - 1`` tokens back, inside a window ``W >= d``) and matches the key there. Without the echo nothing rewards the
+  previous-token head until the whole circuit exists, and small models never learn the task.
+
+New keys and the values of first bindings are random, so they are left out of the loss. ``recall_distance`` is
+``d`` at every answer and 0 elsewhere: the smallest causal window that reaches the answer.
+
+Gap distributions (in slots, over ``[1, S)`` with S the slots of a sequence): ``uniform``; ``loguniform``
+(``floor(exp(U(0, ln S)))``, many short gaps); ``mix`` (each gap one or the other, with probability 1/2: short
+answers to learn from and long ones across the whole context). Sequences are deterministic: sequence ``i`` of split
+``s`` is drawn from a generator seeded by ``(seed, s, i)``, so no sequence is stored and any of them can be read in any
+order (and resumed runs see the same ones).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+SLOT = 3  # k v k
+GAPS = ("mix", "uniform", "loguniform")
+SPLITS = {"train": 0, "val": 1, "test": 2}
+
+
+def _gap(rng: np.random.Generator, n_slots: int, kind: str) -> int:
+    if kind == "mix":
+        kind = "loguniform" if rng.random() < 0.5 else "uniform"
+    if kind == "uniform":
+        return int(rng.integers(1, n_slots))
+    return int(np.clip(np.floor(np.exp(rng.uniform(0.0, np.log(n_slots)))), 1, n_slots - 1))
+
+
+def recall_sequence(rng: np.random.Generator, length: int, n_keys: int, n_values: int, gaps: str = "mix"):
+    """One sequence of ``length`` tokens: ``(tokens, loss_mask, distance)``.
+
+    ``tokens`` int64 ``[length]`` (keys ``[0, n_keys)``, values ``[n_keys, n_keys + n_values)``); ``loss_mask`` bool and
+    ``distance`` int64 ``[length - 1]``, aligned with the targets: entry ``i`` describes the prediction of token
+    ``i + 1`` from position ``i``.
+    """
+    n_slots = -(-length // SLOT)
+    fresh = list(rng.permutation(n_keys))
+    values = rng.integers(n_keys, n_keys + n_values, size=n_keys)
+    due: list[tuple[int, int, int]] = []  # (due slot, order of scheduling, key): ties go to the earlier schedule
+    last_value: dict[int, int] = {}  # key -> position of its latest value token
+    tokens = np.empty(n_slots * SLOT, dtype=np.int64)
+    answer = np.zeros(n_slots * SLOT, dtype=np.int64)  # distance at the query position, 0 = no answer
+    echo = np.zeros(n_slots * SLOT, dtype=bool)
+    order = 0
+    for slot in range(n_slots):
+        if due and (due[0][0] <= slot or not fresh):
+            key = heapq.heappop(due)[2]
+        else:
+            key = int(fresh.pop())
+        at = slot * SLOT
+        tokens[at : at + SLOT] = (key, values[key], key)
+        if key in last_value:
+            answer[at] = at - last_value[key]
+        last_value[key] = at + 1
+        echo[at + 1] = True  # the value's position predicts the echo
+        heapq.heappush(due, (slot + _gap(rng, n_slots, gaps), order, key))
+        order += 1
+    tokens, answer, echo = tokens[:length], answer[: length - 1], echo[: length - 1]
+    return tokens, (answer > 0) | echo, answer
+
+
+class RecallBlocks(Dataset):
+    """``count`` recall sequences of ``seq_len + 1`` tokens (one training block each) of one split.
+
+    Item: ``tokens`` and ``doc_ids`` ``[seq_len + 1]`` (int64; one document per block), ``loss_mask`` and
+    ``recall_distance`` ``[seq_len]`` (aligned with the targets), and its ``index``. Token ids are shifted by
+    ``offset`` (a recall task mixed into a text corpus lives above the tokenizer's ids).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        count: int,
+        n_keys: int,
+        n_values: int,
+        gaps: str = "mix",
+        seed: int = 0,
+        split: str = "train",
+        offset: int = 0,
+    ):
+        self.seq_len, self.count, self.n_keys, self.n_values = seq_len, count, n_keys, n_values
+        self.gaps, self.seed, self.split, self.offset = gaps, seed, SPLITS[split], offset
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        rng = np.random.default_rng([self.seed, self.split, i])
+        tokens, mask, distance = recall_sequence(rng, self.seq_len + 1, self.n_keys, self.n_values, self.gaps)
+        return {
+            "tokens": torch.from_numpy(tokens + self.offset),
+            "doc_ids": torch.zeros(self.seq_len + 1, dtype=torch.int64),
+            "loss_mask": torch.from_numpy(mask),
+            "recall_distance": torch.from_numpy(distance),
+            "index": i,
+        }

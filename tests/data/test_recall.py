@@ -1,0 +1,129 @@
+"""The recall task (data/recall.py): its sequences, its loss mask, its accuracy by distance, and mixing into text."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aah_lightning.cli import main
+from aah_lightning.data.recall import RecallBlocks, recall_sequence
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.evaluation import RecallAccuracy
+from aah_lightning.lit.module import _masked_mean
+from helpers.tb import read_events
+
+K, V, T = 32, 16, 256
+
+
+def test_every_answer_is_the_value_bound_at_its_distance():
+    for i in range(20):
+        tokens, mask, dist = recall_sequence(np.random.default_rng(i), T + 1, K, V, "mix")
+        targets = tokens[1:]
+        assert len(tokens) == T + 1 and len(mask) == len(dist) == T
+        assert ((tokens[:-1:3] < K) & (tokens[1::3][: len(tokens[:-1:3])] >= K)).all()  # slots k v k
+        answers = np.flatnonzero(dist)
+        assert len(answers) > 40  # dense: about 55 answers per sequence at T = 256
+        for a in answers:
+            d = dist[a]
+            assert tokens[a] < K and tokens[a - d] == targets[a]  # the key's last value, d back
+            assert tokens[a - d - 1] == tokens[a] and tokens[a - d + 1] == tokens[a]  # bound by this key, then echoed
+            # nothing closer than d names this key's value: the window must reach d to see it
+            assert not any(tokens[j] == tokens[a] and tokens[j + 1] == targets[a] for j in range(a - d + 1, a))
+        # the loss counts the answers and the echoes (the token after each value), nothing else
+        echo = np.zeros(T, dtype=bool)
+        echo[1::3] = True
+        assert (mask == ((dist > 0) | echo)).all()
+        # a key names one value in the sequence
+        pairs = {(tokens[j], tokens[j + 1]) for j in range(0, T, 3)}
+        assert len({k for k, _ in pairs}) == len(pairs)
+
+
+def test_sequences_are_deterministic_and_splits_differ():
+    a = RecallBlocks(T, 10, K, V, seed=3)
+    b = RecallBlocks(T, 10, K, V, seed=3)
+    val = RecallBlocks(T, 10, K, V, seed=3, split="val")
+    assert all(torch.equal(a[i]["tokens"], b[i]["tokens"]) for i in range(10))
+    assert not any(torch.equal(a[i]["tokens"], val[i]["tokens"]) for i in range(10))
+    assert torch.equal(a[7]["tokens"], RecallBlocks(T, 10, K, V, seed=3)[7]["tokens"])  # read in any order
+    shifted = RecallBlocks(T, 10, K, V, seed=3, offset=257)[2]
+    assert torch.equal(shifted["tokens"], a[2]["tokens"] + 257) and torch.equal(shifted["loss_mask"], a[2]["loss_mask"])
+
+
+def test_distances_reach_across_the_whole_context():
+    ds = RecallBlocks(T, 100, K, V, gaps="mix")
+    dist = torch.cat([ds[i]["recall_distance"] for i in range(100)])
+    d = dist[dist > 0]
+    assert (d <= 32).float().mean() > 0.4  # many short answers to learn from
+    assert (d > 64).float().mean() > 0.25  # and many a window of T/4 cannot reach
+    assert d.max() > 224
+
+
+def test_masked_loss_is_the_mean_over_the_counted_targets():
+    losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    assert _masked_mean(losses, mask) == pytest.approx((1 + 3 + 6) / 3)
+    assert _masked_mean(losses, None) == pytest.approx(3.5)
+
+
+def test_recall_accuracy_by_distance_bucket_against_a_hand_count():
+    metric = RecallAccuracy(seq_len=64)  # buckets of 8: 1-8, 9-16, ...
+    targets = torch.tensor([[3, 1, 2, 0]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[3, 0, 2, 1]]), 5).float()  # right, wrong, right, wrong
+    distance = torch.tensor([[5, 8, 9, 0]])  # the last target is no answer
+    metric.update(logits, targets, distance)
+    out = metric.compute()
+    assert out["all"] == pytest.approx(2 / 3)
+    assert out["1-8"] == pytest.approx(1 / 2) and out["9-16"] == pytest.approx(1.0)
+    assert set(out) == {"all", "1-8", "9-16"}
+
+
+def test_a_run_on_the_recall_task_logs_recall_accuracy_by_distance(tmp_path, tiny_args):
+    main(
+        tiny_args("--data.recall_keys=8", "--data.recall_values=4", "--data.val_blocks=4", source="recall", seq_len=64)
+    )
+    scalars = read_events(str(tmp_path / "runs"))["scalars"]
+    acc = scalars["val/recall_acc"][-1][1]
+    assert 0.0 <= acc <= 1.0
+    buckets = [t for t in scalars if t.startswith("val/recall_acc_by_distance/")]
+    assert "val/recall_acc_by_distance/1-8" in buckets and len(buckets) >= 4
+    assert "val/bpb" not in scalars  # no text, no bytes
+
+
+def test_recall_mixed_into_text_shares_blocks_and_grows_the_vocabulary(tmp_path):
+    dm = TextDataModule(source="stdlib", seq_len=64, batch_size=4, recall_fraction=0.25, max_documents=40)
+    dm.setup("fit")
+    assert dm.vocab_size == 257 + 32 + 16
+    n_text, n_recall = len(dm.train_set.text), len(dm.train_set.recall)
+    assert n_recall == round(n_text * 0.25 / 0.75)
+    text, recall = dm.train_set[0], dm.train_set[n_text]
+    assert text["loss_mask"].all() and not text["recall_distance"].any() and text["tokens"].max() < 257
+    assert recall["tokens"].min() >= 257 and recall["recall_distance"].any()
+    batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=8, sampler=[0, n_text, 1, n_text + 1])))
+    assert batch["tokens"].shape == (4, 65) and batch["loss_mask"].shape == (4, 64)
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"source": "recall", "recall_gaps": "far"}, "data.recall_gaps='far' is not allowed"),
+        ({"source": "recall", "recall_values": 1}, "data.recall_values=1 is not allowed"),
+        ({"source": "synthetic", "recall_fraction": 0.5}, "data.recall_fraction=0.5 is not allowed"),
+        ({"source": "stdlib", "recall_fraction": 1.0}, "data.recall_fraction=1.0 is not allowed"),
+    ],
+)
+def test_bad_recall_settings_are_one_clear_error(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        TextDataModule(seq_len=64, **settings)
+
+
+def test_chance_is_one_over_the_values():
+    # An untrained model guesses: its accuracy is near 1 / recall_values, far from a trained one's.
+    torch.manual_seed(0)
+    ds = RecallBlocks(64, 50, 8, 4)
+    metric = RecallAccuracy(64)
+    for i in range(50):
+        item = ds[i]
+        metric.update(torch.randn(1, 64, 13), item["tokens"][1:].unsqueeze(0), item["recall_distance"].unsqueeze(0))
+    assert math.isclose(float(metric.compute()["all"]), 1 / 13, abs_tol=0.05)
