@@ -118,6 +118,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--only", nargs="*", help="run only these rows")
     p.add_argument("--rerun", action="store_true", help="rerun runs that already finished")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: write the comparison from the runs of these rows and seeds that have finished",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
@@ -160,6 +165,8 @@ def main(argv=None) -> None:
     def run(path: str, seed: int) -> dict:
         rd = run_dir(args.out, row_name(path), seed)
         done = os.path.join(rd, "done")
+        if args.report and not os.path.exists(done):
+            return None  # not run (yet): left out of the comparison
         if args.rerun:
             shutil.rmtree(rd, ignore_errors=True)
         if not os.path.exists(done):
@@ -215,7 +222,7 @@ def main(argv=None) -> None:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run, path, seed) for path, seed in runs]
         try:
-            records = [f.result() for f in futures]
+            records = [r for r in (f.result() for f in futures) if r is not None]
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))

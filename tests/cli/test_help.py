@@ -28,7 +28,7 @@ def test_help_lists_the_choices(capsys):
 
     assert "--model.backend {" + ",".join(backend_names()) + "}" in text
     assert {"auto", "flex", "sdpa", "banded", "split"} <= set(backend_names())
-    assert "--data.source {stdlib,files,tokens,hub,synthetic}" in text
+    assert "--data.source {stdlib,files,tokens,hub,synthetic,recall}" in text
     aah = _help(capsys, "--model.aah.help", "AAHConfig")
     for option in (
         "allocator {reach,paper}",

@@ -175,6 +175,13 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     assert {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")} == stamps
     assert "val" in capsys.readouterr().out
     assert not math.isnan(float(records[0]["val_loss"]))
+    # --report trains nothing: a seed never run is left out, the finished runs make the tables
+    report = ["--rows", str(rows_dir), "--seeds", *map(str, SEEDS), "7", "--out", str(out), "--report"]
+    assert run_tool("suite", *report) == 0
+    assert not (out / "baseline" / "seed7").exists()
+    assert {p: os.path.getmtime(p) for p in out.glob("*/seed*/done")} == stamps
+    with open(out / "results.csv") as f:
+        assert [(x["row"], int(x["seed"])) for x in csv.DictReader(f)] == [(r, s) for r in sorted(ROWS) for s in SEEDS]
 
     # a run stopped part-way (here: its 'done' marker lost) resumes from its last checkpoint instead of starting over
     rd = out / "baseline" / "seed0"
