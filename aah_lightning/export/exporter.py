@@ -139,7 +139,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     model = AAHForCausalLM(config)
     try:
         loaded = model.load_state_dict(weights, strict=False)
-    except RuntimeError as e:  # a tensor of another shape than the hyperparameters say
+    except RuntimeError as e:  # the transformers model names or shapes a weight otherwise than aah's GPT
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise ConfigError(
             f"--ckpt_path={ckpt_path!r}: its weights do not match its hyperparameters ({lines[-1][:200]})"
