@@ -4,7 +4,8 @@ Each class checks its own settings when it is built (``GPTConfig``, ``AAHConfig`
 single class can see is checked here: the tokenizer against the model's vocabulary, the backend against the device,
 and the ``--ckpt_path`` file against the model about to load it. The CLI calls ``preflight`` before it hands over to
 the Trainer; ``AAHModule`` repeats the cheap checks in ``setup`` and ``on_load_checkpoint`` so that code driving a
-Trainer directly gets the same errors. Every failure is a ``ConfigError`` naming the setting.
+Trainer directly gets the same errors (those two live lower down, where the module can import them:
+``lit/checks.check_run`` and ``checkpoint.check_matches``). Every failure is a ``ConfigError`` naming the setting.
 """
 
 from __future__ import annotations
@@ -13,35 +14,16 @@ import os
 import tempfile
 from typing import Optional
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from aah_lightning.checkpoint import LOG_FOLDER_KEY, check_matches, read_checkpoint
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.checkpointing import LOG_FOLDER_KEY, LastCheckpoint, load_checkpoint_file
-from aah_lightning.model.attention import BackendUnavailable, resolve_backend
+from aah_lightning.lit.checkpointing import LastCheckpoint
+from aah_lightning.lit.checks import check_run
 
-# Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
-SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "vocab_size", "mlp_ratio", "bias")
 # --ckpt_path values Lightning resolves itself; "last" is resolved here so that a missing one is an error.
 _LIGHTNING_KEYWORDS = ("best", "hpc", "registry")
-
-
-def check_run(module, datamodule, device: torch.device, stage: str) -> None:
-    """The tokenizer fits the model's vocabulary and the backend can run on ``device`` for ``stage``."""
-    cfg = module.gpt_config
-    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), cfg.vocab_size
-    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
-        tokenizer = getattr(datamodule, "hparams", {}).get("tokenizer")
-        raise ConfigError(
-            f"data.tokenizer={tokenizer!r} produces ids up to {data_vocab - 1}, but model.vocab_size={model_vocab}: "
-            f"the model needs at least {data_vocab} embeddings (leave model.vocab_size linked to the data, or use the "
-            f"tokenizer the model was built for)"
-        )
-    try:
-        resolve_backend(cfg.backend, torch.device(device), needs_grad=(stage == "fit"), seq_len=cfg.seq_len)
-    except BackendUnavailable as e:
-        raise ConfigError(str(e)) from e
 
 
 def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
@@ -91,51 +73,12 @@ def _written(path: str) -> Optional[float]:
     return os.path.getmtime(metadata) if os.path.isfile(metadata) else None
 
 
-def _plain_key(key: str) -> str:
-    return key.replace("_orig_mod.", "")  # torch.compile wrappers do not change what a weight is
-
-
-def check_matches(checkpoint: dict, module, path: str = "checkpoint") -> None:
-    """The checkpoint holds weights of exactly this model's shapes; otherwise one line saying which setting differs."""
-    theirs = checkpoint.get("hyper_parameters") or {}
-    ours = dict(getattr(module, "hparams", {}))
-    diffs = [k for k in SHAPE_SETTINGS if k in theirs and k in ours and theirs[k] != ours[k]]
-    if diffs:
-        got = ", ".join(f"model.{k}={theirs[k]!r}" for k in diffs)
-        want = ", ".join(f"model.{k}={ours[k]!r}" for k in diffs)
-        hint = " (the vocabulary follows data.tokenizer / data.source)" if "vocab_size" in diffs else ""
-        raise ConfigError(
-            f"ckpt_path={path!r} holds a model with {got}, but this run builds {want}{hint}: use the settings the "
-            f"checkpoint was trained with"
-        )
-    state = checkpoint.get("state_dict")
-    if state is None:  # e.g. a distributed checkpoint whose weights the strategy loads itself
-        return
-    expected = {_plain_key(k): tuple(v.shape) for k, v in module.state_dict().items()}
-    found = {_plain_key(k): tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
-    wrong = [
-        f"{k} {found[k]} vs {expected[k]}" for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]
-    ]
-    problems = wrong
-    if getattr(module, "strict_loading", True):
-        problems = problems + [f"missing {k}" for k in sorted(expected.keys() - found.keys())]
-        problems = problems + [f"unexpected {k}" for k in sorted(found.keys() - expected.keys())]
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConfigError(
-            f"ckpt_path={path!r} does not fit this model ({'; '.join(problems[:3])}{more}): it was saved by a "
-            f"different model or code version"
-        )
-
-
 def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> None:
     """Verify the file (complete, checksums, safe to unpickle) and that it fits ``module``, reading only the pickle:
     the tensors are memory-mapped, so this costs one checksum pass, not a second full load."""
     if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
         return  # a torch.distributed.checkpoint folder: the strategy reads and checks it
-    checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True)
-    if not isinstance(checkpoint, dict):
-        raise ConfigError(f"ckpt_path={path!r} is not a Lightning checkpoint (it holds a {type(checkpoint).__name__})")
+    checkpoint = read_checkpoint(path, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
     check_matches(checkpoint, module, path)
 
 
@@ -145,9 +88,9 @@ def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional
         return None
     if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
         meta = os.path.join(path, "meta.pt")
-        checkpoint = torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}
+        checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}
     else:
-        checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        checkpoint = read_checkpoint(path, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
     return checkpoint.get(LOG_FOLDER_KEY)
 
 

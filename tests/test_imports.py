@@ -50,3 +50,62 @@ def test_every_module_imports_on_its_own():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", CHILD, *names], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# The package's layers, lowest first: a module imports only from its own part or from a lower layer
+# (docs/architecture.md). Parts in one layer do not import each other.
+LAYERS = [
+    ("errors",),
+    ("model", "data"),
+    ("checkpoint",),
+    ("windows",),
+    ("lit",),
+    ("validation", "export", "experiments", "benchmarks"),
+    ("cli",),
+    ("__main__",),
+]
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+
+def imported_parts(path: Path) -> list[tuple[int, str]]:
+    """``(line, part)`` of every import of the package in ``path`` (also those inside functions); ``part`` is the
+    first name under ``aah_lightning`` (``lit`` for ``aah_lightning.lit.module``), or the package itself (``""``,
+    whose public names are re-exports of every layer)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "aah_lightning" else [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "aah_lightning":
+                part = parts[1] if len(parts) > 1 else ""
+                if (
+                    part
+                    and not (ROOT / "aah_lightning" / part).is_dir()
+                    and not (ROOT / "aah_lightning" / f"{part}.py").is_file()
+                ):
+                    part = ""  # a public name of the package, not a module
+                found.append((node.lineno, part))
+    return found
+
+
+def test_no_module_imports_from_a_higher_layer():
+    wrong = []
+    for path in sorted((ROOT / "aah_lightning").rglob("*.py")):
+        rel = path.relative_to(ROOT / "aah_lightning")
+        if rel == Path("__init__.py"):  # the package's public names: lazy re-exports
+            continue
+        own = rel.parts[0].removesuffix(".py")
+        assert own in RANK, f"aah_lightning/{rel}: {own} is in no layer of LAYERS"
+        for line, part in imported_parts(path):
+            if part == own:
+                continue
+            if part == "" or RANK[part] >= RANK[own]:
+                wrong.append(f"aah_lightning/{rel}:{line} ({own}) imports {part or 'the package itself'}")
+    assert not wrong, "imports from the same or a higher layer:\n" + "\n".join(wrong)

@@ -16,28 +16,21 @@ import time
 
 import torch
 
+from aah_lightning.checkpoint import load_model
 from aah_lightning.data.prompts import encode_prompt
-from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.checkpointing import load_checkpoint_file
-from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import generate as gen
 
 
 def load(path: str, tokenizer: str | None, device: str, weights_only: bool):
     """The GPT of a Lightning checkpoint (eval mode, on ``device``) and its tokenizer."""
-    ckpt = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only)
-    if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
-        raise ConfigError(f"ckpt_path={path!r} is not a checkpoint written by aah fit (no hyper_parameters/state_dict)")
-    spec = tokenizer or (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer", "byte")
-    tok = load_tokenizer(spec)
-    hp = ckpt["hyper_parameters"]
-    if tok.vocab_size > hp["vocab_size"]:
+    model, tok = load_model(path, device, tokenizer=tokenizer, weights_only=weights_only, setting="ckpt_path")
+    if tok is None:
         raise ConfigError(
-            f"--tokenizer {spec!r} has {tok.vocab_size} ids, the checkpoint's model {hp['vocab_size']}: "
-            f"use the tokenizer the model was trained with"
+            f"ckpt_path={path!r} holds a model of token ids (data.source synthetic or recall), not of text: pass the "
+            f"--tokenizer its ids belong to"
         )
-    return AAHModule.from_checkpoint(ckpt).model.to(device).eval(), tok
+    return model, tok
 
 
 def main(argv=None) -> int:

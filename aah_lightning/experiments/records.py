@@ -156,13 +156,12 @@ def window_summary(ckpt_path: str) -> tuple[dict[str, float], dict[str, list]]:
     """From a run's last checkpoint: ``nonuniform_share`` (share of its steps at which some layer's heads held
     different windows), ``final_distinct_max`` (most different windows within one layer of the final table), and the
     final table and each head's ACR averaged over the run (for tables.json)."""
-    from aah_lightning.lit.checkpointing import load_checkpoint_file
+    from aah_lightning.checkpoint import WINDOW_USAGE_KEY, hyperparameters, read_checkpoint, window_table
 
-    ckpt = load_checkpoint_file(ckpt_path, map_location="cpu", setting="the run's last checkpoint")
-    seq_len = ckpt["hyper_parameters"]["seq_len"]
-    table = next(v for k, v in ckpt["state_dict"].items() if k.replace("_orig_mod.", "") == "model.windows")
-    table = table.clamp(max=seq_len)
-    usage = ckpt.get("aah_window_usage") or {}
+    ckpt = read_checkpoint(ckpt_path, setting="the run's last checkpoint")
+    seq_len = hyperparameters(ckpt)["seq_len"]
+    table = window_table(ckpt).clamp(max=seq_len)
+    usage = ckpt.get(WINDOW_USAGE_KEY) or {}
     steps = int(usage.get("steps", 0))
     head_acr = usage["window_sum"].double() / (steps * seq_len) if steps else table.double() * math.nan
     fields = {

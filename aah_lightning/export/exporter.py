@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from aah_lightning.checkpoint import WINDOWS_STATE_KEY, build_model, data_settings, plain_key, read_checkpoint
 from aah_lightning.errors import ConfigError
 from aah_lightning.export import model_card
 from aah_lightning.export.tokenizer import TokenizerExport, prepare_tokenizer
-from aah_lightning.lit.checkpointing import load_checkpoint_file
 from aah_lightning.model.config import GPTConfig
 
 HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
@@ -82,8 +82,8 @@ def model_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor
     for key, value in state_dict.items():
         if not key.startswith("model."):
             continue
-        name = key.replace("_orig_mod.", "")
-        if name == "model.windows":
+        name = plain_key(key)
+        if name == WINDOWS_STATE_KEY:
             windows = value
         elif name != "model.lm_head.weight":
             weights[name] = value
@@ -123,18 +123,10 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
             f"--ckpt_path={ckpt_path!r} does not exist: pass a checkpoint file written by aah fit "
             f"(e.g. runs/quickstart/checkpoints/last.ckpt)"
         )
-    ckpt = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=weights_only, setting="--ckpt_path")
-    if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
-        raise ConfigError(
-            f"--ckpt_path={ckpt_path!r} is not a checkpoint written by aah fit (no hyper_parameters/state_dict)"
-        )
-    hp = dict(ckpt["hyper_parameters"])
-    data = dict(ckpt.get("datamodule_hyper_parameters") or {})
-    try:
-        gpt = GPTConfig.from_settings(hp)
-        weights, windows = model_state(ckpt["state_dict"])
-    except (ConfigError, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"--ckpt_path={ckpt_path!r} does not describe an aah GPT ({e})") from e
+    ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
+    aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
+    gpt, data = aah_model.cfg, data_settings(ckpt)
+    weights, windows = model_state({f"model.{k}": v for k, v in aah_model.state_dict().items()})
 
     tok = None
     if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
@@ -147,7 +139,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     model = AAHForCausalLM(config)
     try:
         loaded = model.load_state_dict(weights, strict=False)
-    except RuntimeError as e:  # a tensor of another shape than the hyperparameters say
+    except RuntimeError as e:  # the transformers model names or shapes a weight otherwise than aah's GPT
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise ConfigError(
             f"--ckpt_path={ckpt_path!r}: its weights do not match its hyperparameters ({lines[-1][:200]})"
@@ -157,7 +149,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
             f"--ckpt_path={ckpt_path!r}: its weights do not match its hyperparameters (missing "
             f"{loaded.missing_keys[:3]}, unexpected {loaded.unexpected_keys[:3]})"
         )
-    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    tensors = {k: v.detach().contiguous() for k, v in weights.items()}  # the rebuilt GPT's own tensors: no copy
     params = sum(t.numel() for t in tensors.values())
     card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params)
     return ExportPlan(ckpt_path, config, tensors, tok, card)

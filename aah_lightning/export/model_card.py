@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 
+from aah_lightning.checkpoint import GLOBAL_STEP_KEY, hyperparameters
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows import metrics
 
@@ -41,9 +42,8 @@ def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
 
 def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, tok, data: dict, params: int) -> str:
     """The card's markdown; ``params``: the exported model's parameter count."""
-    hp = {k: v for k, v in dict(ckpt["hyper_parameters"]).items() if not k.startswith("_")}
-    training = {"model": hp, "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
-    step = ckpt.get("global_step")
+    training = {"model": hyperparameters(ckpt), "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
+    step = ckpt.get(GLOBAL_STEP_KEY)
     tokenizer = (
         "none (trained on synthetic data): pass token ids"
         if tok is None

@@ -9,46 +9,34 @@ system than the checkpoint folder (local /tmp, shared scratch), the commit is a 
 kill can truncate; it also never fsyncs. FSDP2's checkpoint folders, which every rank writes outside CheckpointIO,
 get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder, then an atomic swap of a link).
 
-Loading (``load_checkpoint_file``): the file must be a complete PyTorch archive whose CRC32 checksums match (torch
-itself does not check them, so a damaged copy would load silently), and it is unpickled with ``weights_only=True``
-unless the user passes ``--weights_only false``. Every failure is a one-line ``ConfigError`` naming the file.
+Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
+must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
+the user passes ``--weights_only false``. Every failure is a one-line ``ConfigError`` naming the file. The checkpoint's
+keys and its reader for everything outside the Trainer (``read_checkpoint``, ``load_model``) live in
+``aah_lightning/checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import shutil
 import socket
 import uuid
-import zipfile
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from aah_lightning.errors import CheckpointWriteError, ConfigError
+from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
+from aah_lightning.errors import CheckpointWriteError
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
-# The checkpoint entry naming the run's log folder: {"save_dir", "name", "version"} of its logger.
-LOG_FOLDER_KEY = "aah_log_folder"
-
-
-def _is_remote(path) -> bool:
-    return "://" in str(path)
-
-
-def _first_line(e: BaseException, limit: int = 160) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:limit]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -119,89 +107,13 @@ def atomic_torch_save(obj: Any, path) -> None:
     _fsync_dir(folder)
 
 
-# (realpath, size, mtime_ns) of files whose checksums were verified in this process: a file checked by the CLI
-# before training is not read twice when Lightning then loads it.
-_verified: set[tuple] = set()
-
-
-def verify_checkpoint_file(path, setting: str = "ckpt_path") -> None:
-    """Raise ``ConfigError`` unless ``path`` is a readable, complete PyTorch archive with matching checksums."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"{setting}={path!r} does not exist: pass an existing checkpoint file, or 'last'")
-    if os.path.isdir(path):
-        raise ConfigError(f"{setting}={path!r} is a folder: pass a checkpoint file (*.ckpt)")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{setting}={path!r} is not readable (check its permissions)")
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    if key in _verified:
-        return
-    if not zipfile.is_zipfile(path):
-        raise ConfigError(
-            f"{setting}={path!r} is truncated or not a PyTorch checkpoint ({st.st_size} bytes, no complete archive): "
-            f"use an earlier checkpoint"
-        )
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()  # reads every entry and checks its CRC32
-    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, RuntimeError) as e:
-        raise ConfigError(f"{setting}={path!r} is corrupt ({_first_line(e)}): use an earlier checkpoint") from e
-    if bad is not None:
-        raise ConfigError(
-            f"{setting}={path!r} is corrupt: the checksum of its entry {bad!r} does not match (a damaged copy or "
-            f"disk): use an earlier checkpoint"
-        )
-    _verified.add(key)
-
-
-def _unsafe_reason(e: BaseException) -> str:
-    text = str(e)
-    marker = "WeightsUnpickler error:"
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return _first_line(Exception(text.strip()), 120)
-
-
-def load_checkpoint_file(
-    path,
-    map_location: Any = None,
-    weights_only: Optional[bool] = None,
-    mmap: bool = False,
-    setting: str = "ckpt_path",
-) -> dict:
-    """Load a checkpoint safely. ``weights_only=None`` means True; only an explicit False allows arbitrary pickles."""
-    safe = weights_only is not False
-    if _is_remote(path):  # object stores and URLs, through fsspec; still weights-only by default
-        with get_filesystem(path).open(path, "rb") as f:
-            return torch.load(f, map_location=map_location, weights_only=safe)
-    verify_checkpoint_file(path, setting)
-    try:
-        return torch.load(os.fspath(path), map_location=map_location, weights_only=safe, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        if safe and "weights only" in str(e).lower():
-            raise ConfigError(
-                f"{setting}={os.fspath(path)!r} holds objects other than tensors and plain values "
-                f"({_unsafe_reason(e)}); unpickling them could run arbitrary code. If you trust the file, pass "
-                f"--weights_only false"
-            ) from e
-        raise ConfigError(
-            f"{setting}={os.fspath(path)!r} is corrupt ({_first_line(e)}): use an earlier checkpoint"
-        ) from e
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
-        raise ConfigError(
-            f"{setting}={os.fspath(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)}): it is corrupt or "
-            f"not a checkpoint; use an earlier one"
-        ) from e
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint plugin with crash-safe saving and verified, weights-only loading."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
-        if _is_remote(path):  # object stores have their own atomic put
+        if is_remote(path):  # object stores have their own atomic put
             return super().save_checkpoint(checkpoint, path)
         atomic_torch_save(checkpoint, path)
 
@@ -307,7 +219,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if _is_remote(filepath):
+        if is_remote(filepath):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = os.path.abspath(self.broadcast(os.fspath(filepath)))
         if self.is_global_zero:

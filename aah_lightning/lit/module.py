@@ -14,10 +14,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
-from aah_lightning import validation
+from aah_lightning.checkpoint import (
+    POLICY_KEY,
+    RNG_KEY,
+    STATE_DICT_KEY,
+    WINDOW_USAGE_KEY,
+    check_matches,
+    hyperparameters,
+)
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
+from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
 from aah_lightning.model.config import Backend, GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
@@ -191,9 +199,8 @@ class AAHModule(L.LightningModule):
     def from_checkpoint(cls, checkpoint: dict) -> AAHModule:
         """The module of a loaded checkpoint: built from its hyperparameters (without Lightning's own private keys
         such as ``_instantiator``), then given its weights and window table."""
-        hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
-        module = cls(**hparams)
-        module.load_state_dict(checkpoint["state_dict"])
+        module = cls(**hyperparameters(checkpoint))
+        module.load_state_dict(checkpoint[STATE_DICT_KEY])
         return module
 
     def configure_model(self) -> None:
@@ -331,7 +338,7 @@ class AAHModule(L.LightningModule):
     # -- checkpoint extras -------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         # The CLI checks this before the Trainer starts; repeated here for code that drives a Trainer directly.
-        validation.check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
+        check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
 
     def on_fit_start(self) -> None:
         ddp = self.trainer.strategy.model  # the DistributedDataParallel wrapper under DDP
@@ -352,21 +359,21 @@ class AAHModule(L.LightningModule):
             self._rng_to_restore = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["aah_policy"] = self.policy.state_dict()
+        checkpoint[POLICY_KEY] = self.policy.state_dict()
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
-        checkpoint["aah_rng"] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
-        checkpoint["aah_window_usage"] = self.window_usage.state_dict()
+        checkpoint[RNG_KEY] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
+        checkpoint[WINDOW_USAGE_KEY] = self.window_usage.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
-        validation.check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
+        check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
         if self.hparams.get("full_heads_beyond_trained", "whole_context") == "whole_context":
             widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
-        self.policy.load_state_dict(checkpoint.get("aah_policy", {}))
-        self.window_usage.load_state_dict(checkpoint.get("aah_window_usage"))
-        states = checkpoint.get("aah_rng")
+        self.policy.load_state_dict(checkpoint.get(POLICY_KEY, {}))
+        self.window_usage.load_state_dict(checkpoint.get(WINDOW_USAGE_KEY))
+        states = checkpoint.get(RNG_KEY)
         world = self.trainer.world_size if self._trainer is not None else 1
         if states is not None and len(states) == world:
             self._rng_to_restore = states[self.trainer.global_rank if self._trainer is not None else 0]

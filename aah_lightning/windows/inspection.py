@@ -2,8 +2,9 @@
 the window fractions, the policy's hierarchy of head groups, windows.csv (layer, head, group, window), the window map
 and one head's mask as pictures (tools/inspect_windows.py is the command line).
 
-The checkpoint is read with ``torch.load(weights_only=True)``: no code in it runs. Block density is the analytic tile
-count of the table (the checkpoint holds no BlockMask; FlexAttention's BlockMask is built from exactly this count).
+The checkpoint is read with ``aah_lightning.checkpoint.read_checkpoint``: verified (complete archive, matching
+checksums) and unpickled weights-only, so no code in it runs. Block density is the analytic tile count of the table
+(the checkpoint holds no BlockMask; FlexAttention's BlockMask is built from exactly this count).
 The ``group`` column is the head's level-0 group in its layer; it is empty when the policy has no groups.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from aah_lightning.checkpoint import GLOBAL_STEP_KEY, POLICY_KEY, hyperparameters, read_checkpoint, window_table
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics, plots
 from aah_lightning.windows.config import AAHConfig
@@ -24,26 +26,14 @@ class InspectError(ValueError):
     """The checkpoint or the arguments cannot be inspected (one line for the user)."""
 
 
-def window_table(state: dict) -> torch.Tensor:
-    """The ``windows`` buffer of a state_dict (Lightning's ``model.windows``, or a bare GPT's ``windows``)."""
-    for key in ("model.windows", "windows"):
-        if key in state:
-            return state[key]
-    found = [k for k, v in state.items() if k.endswith(".windows") and torch.is_tensor(v) and v.dim() == 2]
-    if len(found) != 1:
-        raise InspectError(f"no unique window table in the checkpoint (keys ending in .windows: {found})")
-    return state[found[0]]
-
-
 def load(path) -> dict:
-    """Everything the report needs from a checkpoint file."""
+    """Everything the report needs from a checkpoint file (a Lightning checkpoint of aah, or a GPT's state_dict)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InspectError(f"no checkpoint at {path}") from None
-    state = ckpt.get("state_dict", ckpt)
-    table = window_table(state).to(torch.int64)
-    hp = ckpt.get("hyper_parameters", {}) or {}
+        ckpt = read_checkpoint(path)
+        table = window_table(ckpt).to(torch.int64)
+    except ConfigError as e:
+        raise InspectError(str(e)) from None
+    hp = hyperparameters(ckpt)
     aah = hp.get("aah") or {}
     return {
         "table": table,
@@ -51,8 +41,8 @@ def load(path) -> dict:
         "block_size": hp.get("block_size", 128),
         "policy": aah.get("policy", "?"),
         "candidates": aah.get("candidates"),
-        "report": policy_report(aah, ckpt.get("aah_policy") or {}, hp.get("seq_len")),
-        "step": ckpt.get("global_step"),
+        "report": policy_report(aah, ckpt.get(POLICY_KEY) or {}, hp.get("seq_len")),
+        "step": ckpt.get(GLOBAL_STEP_KEY),
     }
 
 
