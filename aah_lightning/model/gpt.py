@@ -43,7 +43,7 @@ class Rotary(nn.Module):
     def at(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         """cos, sin at ``positions`` (``[B, T]``, each row its own): ``[B, 1, T, dim]``, the values of the table
         ``forward`` builds at those positions (the same products, cos and sin, computed the same way)."""
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freqs = positions.unsqueeze(-1) * self.inv_freq  # integer positions: exact in float32 below 2**24
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
