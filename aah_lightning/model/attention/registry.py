@@ -16,7 +16,8 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   the layer's own, so it must not write into them.
 * ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
   defines it, even where ``model.compile_blocks`` compiled it - for plans whose Python state changes from call to
-  call (generation's cache), which a compiled graph would guard on and recompile for.
+  call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
+  skipped too (FSDP2's gathering: generation runs unsharded anyway).
 
 The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
 query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same document). Diagnostics ask
