@@ -5,13 +5,20 @@ A head with window ``W`` never attends to a key more than ``W - 1`` positions ba
 lives in slot ``p % S``. Keys are stored after RoPE at their absolute positions, so a cached key never changes.
 Heads of a layer with the same slot count share one ``[B, heads, S, D]`` tensor (one attention call per group).
 
-* **Prefill** runs the model's own forward (and so the training backends) over the prompts, right-padded to a common
-  length: causal attention never lets a real token see the padding after it, so every row's logits are exact. Each
-  layer's keys and values after RoPE arrive through the attention module's ``capture`` hook and are copied into the
-  ring buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s`` (two slice copies).
-* **Decode** feeds one token per row at that row's own absolute position (rows may have prompts of different
-  lengths) and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
+Both run the model's own forward (``GPT.forward``) with plans of this module in place of the training ones (the plan
+contract: model/attention/registry.py); the block is written once.
+
+* **Prefill** runs the prompts, right-padded to a common length, with ``Prefill`` plans: each calls the layer's
+  training plan (the training backends) and, first, copies the layer's keys and values after RoPE into the ring
+  buffers, per row: slot ``s`` receives the newest position ``p < len`` with ``p % S == s`` (two slice copies). Causal
+  attention never lets a real token see the padding after it, so every row's logits are exact.
+* **Decode** feeds one token per row at that row's own absolute position (``GPT.forward(positions=...)``; rows may
+  have prompts of different lengths) with ``Decode`` plans: each writes the step's key and value into the layer's
+  rings and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
   ``s``; every filled slot lies within the head's window because ``S <= W``.
+
+Both plans are ``eager``: under ``model.compile_blocks`` the blocks run uncompiled for generation, as the cache's
+Python state changes at every call.
 
 Past the trained ``seq_len`` nothing changes: windowed heads keep sliding, and full-window heads (``W = seq_len``)
 slide too, at ``seq_len`` - exactly what one forward pass over the whole text computes with the same window table.
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aah_lightning.errors import require
-from aah_lightning.model.gpt import GPT, apply_rotary
+from aah_lightning.model.gpt import GPT
 
 # The prefill length is rounded up to a multiple of this, so that batches of similar prompts reuse one attention plan
 # (and, on a GPU, one compiled FlexAttention kernel).
@@ -110,10 +117,9 @@ class WindowKVCache:
                 index = None if len(heads) == len(row) else torch.tensor(heads, device=device)
                 groups.append(_Group(index, s))
             self.layers.append(groups)
-        # RoPE at every position this generation can reach, from the model's own table.
-        self.cos, self.sin = model.rotary(max_len, device, torch.float32)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # next position, per row
         self.min_position = 0  # host copy of positions.min(): decides whether every slot is filled
+        self.plans = [Decode(self, layer) for layer in range(len(self.layers))]  # a decode step's, one per layer
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +172,32 @@ class WindowKVCache:
         self.min_position += 1
 
 
+class Prefill:
+    """Prefill's plan for one layer: store the prompts' keys and values in the cache, then run the layer's training
+    plan ``inner``."""
+
+    eager = True
+
+    def __init__(self, cache: WindowKVCache, layer: int, inner, lengths: list[int]):
+        self.cache, self.layer, self.inner, self.lengths = cache, layer, inner, lengths
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.fill(self.layer, k, v, self.lengths)
+        return self.inner(q, k, v)
+
+
+class Decode:
+    """A decode step's plan for one layer: write the step's keys and values, attend over the cache."""
+
+    eager = True
+
+    def __init__(self, cache: WindowKVCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.cache.attend(self.layer, q, k, v)
+
+
 # -- prefill and decode ------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCache, Tensor]:
@@ -183,20 +215,8 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
     tokens = tokens.to(device)
     lengths = torch.tensor(lengths_list, device=device)
     cache = WindowKVCache(model, B, longest + max_new_tokens)
-    attns = [block.attn for block in model.blocks]
-    captured: list[list] = [[] for _ in attns]  # a plain list: the capture hook also runs inside compiled blocks
-    for attn, store in zip(attns, captured):
-        attn.capture = store
-
-    def fill(layer: int) -> None:  # right after the layer: its q, k, v are freed before the next layer runs
-        _, k, v = captured[layer].pop()
-        cache.fill(layer, k, v, lengths_list)
-
-    try:
-        logits = model(tokens, at=lengths - 1, after_block=fill)
-    finally:
-        for attn in attns:
-            attn.capture = None
+    plans = [Prefill(cache, layer, plan, lengths_list) for layer, plan in enumerate(model.attention_plans(padded))]
+    logits = model(tokens, at=lengths - 1, plans=plans)
     cache.positions = lengths.clone()
     cache.min_position = min(lengths_list)
     return cache, logits
@@ -204,23 +224,10 @@ def prefill(model: GPT, prompts: list, max_new_tokens: int) -> tuple[WindowKVCac
 
 @torch.no_grad()
 def decode_step(model: GPT, cache: WindowKVCache, tokens: Tensor) -> Tensor:
-    """Feed one token per row (``[B]``) at each row's next position; returns the logits after it ``[B, vocab]``.
-
-    The same computation as ``GPT.forward`` for one position, with attention over the ring buffers."""
-    x = model.wte(tokens).unsqueeze(1)  # [B, 1, C]
-    B, _, C = x.shape
-    cos = cache.cos[cache.positions].view(B, 1, 1, -1)
-    sin = cache.sin[cache.positions].view(B, 1, 1, -1)
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = attn.qkv(block.ln1(x)).view(B, 1, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4)
-        c, s = cos.to(q.dtype), sin.to(q.dtype)
-        q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
-        y = cache.attend(layer, q, k, v)
-        x = x + attn.proj(y.transpose(1, 2).reshape(B, 1, C))
-        x = x + block.mlp(block.ln2(x))
+    """Feed one token per row (``[B]``) at each row's next position; returns the logits after it ``[B, vocab]``."""
+    logits = model(tokens.view(-1, 1), positions=cache.positions.view(-1, 1), plans=cache.plans)
     cache.advance()
-    return model.lm_head(model.ln_f(x))[:, 0]
+    return logits[:, 0]
 
 
 # -- sampling ----------------------------------------------------------------------------------------------------------

@@ -40,9 +40,16 @@ class Rotary(nn.Module):
             self._cache = (key, emb.cos().to(dtype), emb.sin().to(dtype))
         return self._cache[1], self._cache[2]
 
+    def at(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin at ``positions`` (``[B, T]``, each row its own): ``[B, 1, T, dim]``, the values of the table
+        ``forward`` builds at those positions (the same products, cos and sin, computed the same way)."""
+        freqs = positions.unsqueeze(-1) * self.inv_freq  # integer positions: exact in float32 below 2**24
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: ``[B, H, T, D]``; cos/sin: ``[T, D]``."""
+    """x: ``[B, H, T, D]``; cos/sin: ``[T, D]`` (every row at positions 0..T-1) or ``[B, 1, T, D]`` (per row)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
@@ -55,17 +62,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scaled = True
-        # When set to a list, forward appends (q, k, v) after RoPE, detached: the AAH probe reads them, and generation
-        # fills its KV cache from them (model/generate.py).
-        self.capture: list | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # under autocast q is bf16; keep it so
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.capture is not None:
-            self.capture.append((q.detach(), k.detach(), v.detach()))
         # v is a strided view into the qkv output; inside a compiled block, CPU flex reads such a view wrongly
         # (pytorch#157612, q/k/v of one buffer). One copy per layer is cheap against attention.
         y = plan(q, k, v.contiguous())
@@ -144,21 +146,32 @@ class GPT(nn.Module):
         doc_ids: Tensor | None = None,
         backend: str | None = None,
         at: Tensor | None = None,
-        after_block=None,
+        plans: list | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. ``doc_ids`` (``[B, T]``) only matter with
-        ``document_mask``. ``at`` (``[B]`` positions): only the logits there, ``[B, vocab]`` (generation's prefill
-        needs one position per row, and the output layer is the costliest matmul of a large vocabulary).
-        ``after_block(layer)`` is called after each block (generation's prefill moves that layer's keys and values
-        into its cache there, so no layer's q, k, v stay alive until the forward ends)."""
+        """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. The one forward of the model: training, evaluation,
+        the probe, and generation's prefill and decode steps all run it.
+
+        ``doc_ids`` (``[B, T]``) only matter with ``document_mask``. ``at`` (``[B]`` positions): only the logits
+        there, ``[B, vocab]`` (generation's prefill needs one position per row, and the output layer is the costliest
+        matmul of a large vocabulary). ``plans``: one attention plan per layer (the contract: model/attention/
+        registry.py, ``Plan``), by default ``attention_plans(T, doc_ids, backend)``; the probe passes plans that
+        record q, k, v, generation plans that fill and read its window KV cache. ``positions`` (``[B, T]``): each
+        token's absolute position, for RoPE (decode steps: each row at its own next position); default ``0..T-1``.
+        """
         T = idx.shape[1]
-        plans = self.attention_plans(T, doc_ids, backend)
+        if plans is None:
+            plans = self.attention_plans(T, doc_ids, backend)
         x = self.wte(idx)
-        cos, sin = self.rotary(T, x.device, torch.float32)
-        for layer, (block, plan) in enumerate(zip(self.blocks, plans)):
-            x = block(x, cos, sin, plan)
-            if after_block is not None:
-                after_block(layer)
+        if positions is None:
+            cos, sin = self.rotary(T, x.device, torch.float32)
+        else:
+            cos, sin = self.rotary.at(positions, torch.float32)
+        for block, plan in zip(self.blocks, plans):
+            if getattr(plan, "eager", False):  # the block as its class defines it: never a compiled graph
+                x = type(block).forward(block, x, cos, sin, plan)
+            else:
+                x = block(x, cos, sin, plan)
         if at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), at]
         return self.lm_head(self.ln_f(x))

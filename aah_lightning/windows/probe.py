@@ -1,9 +1,10 @@
 """The probe: what every head would attend to with the full causal context, on a few sequences.
 
 At control and diagnostic steps only (never on the training hot path), a few sequences of the current batch go
-through the current model under ``no_grad``. Every layer's q, k (after RoPE) and v are captured, and for ``S``
-sampled query positions per sequence (stratified over the sequence) the full-causal softmax probabilities over all
-earlier keys are computed in fp32, one layer at a time. Cost ``O(L * H * S * T * D)``, independent of batch size.
+through the current model under ``no_grad``: its own forward, with each layer's plan wrapped in a ``Recording``
+(model/attention/recording.py), which keeps the layer's q, k (after RoPE) and v. For ``S`` sampled query positions
+per sequence (stratified over the sequence) the full-causal softmax probabilities over all earlier keys are computed
+in fp32, one layer at a time. Cost ``O(L * H * S * T * D)``, independent of batch size.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from aah_lightning.model.attention import Recording
 
 
 @dataclass
@@ -63,20 +66,15 @@ def run_probe(
     """Probe ``model`` (a ``GPT``) on the first ``n_sequences`` rows of ``tokens`` ``[B, T]``."""
     tokens = tokens[:n_sequences]
     docs = None if doc_ids is None else doc_ids[:n_sequences]
-    attns = [block.attn for block in model.blocks]
-    captured: list[list] = [[] for _ in attns]
-    for attn, store in zip(attns, captured):
-        attn.capture = store
     was_training = model.training
     try:
         model.eval()
-        model(tokens, docs)
+        plans = [Recording(plan) for plan in model.attention_plans(tokens.shape[1], docs)]
+        model(tokens, docs, plans=plans)
     finally:
         model.train(was_training)
-        for attn in attns:
-            attn.capture = None
     queries = sample_queries(tokens.shape[1], n_queries, generator).to(tokens.device)
-    q, k, v = (list(x) for x in zip(*(store[0] for store in captured)))
+    q, k, v = (list(x) for x in zip(*(plan.records[0] for plan in plans)))
     probs = [full_causal_probs(ql, kl, queries) for ql, kl in zip(q, k)]
     return ProbeResult(queries, q, k, v, probs)
 

@@ -7,6 +7,7 @@ import torch
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.model import generate as gen
+from aah_lightning.model.attention import Recording
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -74,12 +75,10 @@ def test_ring_buffer_wraps_and_holds_the_newest_positions():
     assert cache.slots[0] == [3, 5, 8, 24]  # min(W, longest prompt + max_new_tokens = 37)
     # Reference: the keys after RoPE of one full forward, captured from the model itself.
     row = prompts[0] + list(range(10))
-    captured = []
-    model.blocks[0].attn.capture = captured
+    captured = [Recording(plan) for plan in model.attention_plans(len(row))]
     with torch.no_grad():
-        model(torch.tensor([row]))
-    model.blocks[0].attn.capture = None
-    keys = captured[0][1][0]  # [H, T, D]
+        model(torch.tensor([row]), plans=captured)
+    keys = captured[0].records[0][1][0]  # [H, T, D]
     for t in row[len(prompts[0]) :]:
         gen.decode_step(model, cache, torch.tensor([t, t]))
     last = len(row) - 1  # position 16: the 3-slot ring has wrapped five times

@@ -2,7 +2,8 @@
 
 Every backend computes the same attention, defined by ``masks.window_mask_mod`` (``0 <= q - kv < W[h]``, documents
 optional); they differ in speed and where they run. ``registry.py`` holds the interface (``Backend``, ``Plan``), the
-``auto`` rule and the fallbacks; ``planner.py`` builds and caches a plan per layer. Importing this package imports
+``auto`` rule and the fallbacks, and the plan contract ``GPT.forward`` relies on; ``planner.py`` builds and caches a
+plan per layer; ``recording.py`` wraps plans to record q, k, v (the probe). Importing this package imports
 every module in it, which registers its backends: adding a kernel is adding one file.
 """
 
@@ -10,6 +11,7 @@ import importlib
 import pkgutil
 
 from aah_lightning.model.attention.planner import AttentionPlanner
+from aah_lightning.model.attention.recording import Recording
 from aah_lightning.model.attention.registry import (
     AUTO_RULES,
     Availability,
@@ -32,6 +34,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "Plan",
+    "Recording",
     "backend_names",
     "get_backend",
     "register",

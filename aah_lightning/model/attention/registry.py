@@ -7,11 +7,25 @@ A **backend** is one module in this package that defines a ``Backend`` subclass 
 * ``build(row, seq_len, doc_ids, device=..., block_size=...) -> Plan``: the executable attention of one layer whose
   heads have the windows ``row`` (a tuple of ints), built once per window row (or per batch with documents).
 
-A **plan** is callable, ``plan(q, k, v) -> out`` with ``[B, H, T, D]`` tensors, and exactly the attention of
-``masks.window_mask_mod``: query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same
-document). Diagnostics ask a plan what it costs instead of testing its type: ``tile_counts(block_size)`` (partial,
-full and causal tiles), ``pairs()`` (in-window pairs) and ``computed_pairs(block_size)`` (the pairs its kernel
-computes).
+A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of attention (the plan contract):
+
+* ``plan(q, k, v) -> out``. Each block calls its layer's plan once per forward with that layer's ``q``, ``k``, ``v``
+  ``[B, H, T, D]`` (``q`` and ``k`` already rotated by RoPE at the tokens' positions: ``0..T-1``, or the
+  ``positions`` passed to ``GPT.forward``) and projects what it returns, ``[B, H, T, D]`` (the same shape as ``q``),
+  back to the residual stream. A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
+  the layer's own, so it must not write into them.
+* ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
+  defines it, even where ``model.compile_blocks`` compiled it - for plans whose Python state changes from call to
+  call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
+  skipped too (FSDP2's gathering: generation runs unsharded anyway).
+
+The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
+query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same document). Diagnostics ask
+them what they cost instead of testing their type: ``tile_counts(block_size)`` (partial, full and causal tiles),
+``pairs()`` (in-window pairs) and ``computed_pairs(block_size)`` (the pairs its kernel computes). Callers of
+``GPT.forward`` may pass plans of their own (``plans=``, one per layer), most often wrapping these: the probe's
+``Recording`` (recording.py) records q, k, v and delegates; generation's plans (model/generate.py) fill its window KV
+cache at prefill and attend over it at decode steps.
 
 ``auto`` is decided here and nowhere else (``AUTO_RULES``); a backend that cannot run may name a ``fallback`` that
 runs instead, announced by one log line.
@@ -49,10 +63,11 @@ AVAILABLE = Availability(True)
 
 
 class Plan:
-    """One layer's attention, ready to run. Subclasses set ``kind`` and carry ``row`` (the layer's windows, ints)
-    and ``seq_len``, and implement ``__call__``."""
+    """One layer's attention, ready to run (the contract: this module's docstring). Subclasses set ``kind`` and
+    carry ``row`` (the layer's windows, ints) and ``seq_len``, and implement ``__call__``."""
 
     kind: str = "plan"
+    eager: bool = False  # True: GPT.forward runs this layer's block uncompiled
     row: tuple[int, ...]
     seq_len: int
 
