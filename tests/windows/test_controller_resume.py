@@ -51,7 +51,13 @@ def run(ckpt_path=None, stop_at=None):
     L.seed_everything(0)
     dm = StepData()
     controller = ControllerConfig(
-        warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.45, depth=3, threshold=0.3
+        warmup_steps=2,
+        control_interval=3,
+        probe_queries=16,
+        target_acr=0.45,
+        depth=3,
+        threshold=0.3,
+        budget_over_run=True,  # the ceilings change from decision to decision, so the windows move
     )
     module = AAHModule(
         n_layer=2,
