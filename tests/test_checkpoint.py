@@ -201,3 +201,86 @@ def test_the_package_exports_its_public_names_lazily():
     for name in aah_lightning.__all__:
         assert getattr(aah_lightning, name) is not None
     assert aah_lightning.read_checkpoint is ck.read_checkpoint and aah_lightning.load_model is ck.load_model
+
+
+# -- a checkpoint of an earlier layout ---------------------------------------------------------------------------------
+# ``aah fit`` at commit a3ccbc1, before the GPT's settings became one dataclass (model.gpt): its hyperparameters hold
+# them flat (n_layer, ..., aah, optim). 4 steps of a 2 x 2-head, d = 8 model on the synthetic task (62 KB):
+#   aah fit --trainer.max_steps=4 --trainer.val_check_interval=2 --trainer.limit_val_batches=1 --trainer.logger=false
+#     --trainer.accelerator=cpu --trainer.devices=1 --checkpoint.every_n_train_steps=2 --best_checkpoint.save_top_k=0
+#     --model.n_layer=2 --model.n_head=2 --model.n_embd=8 --model.rope_base=500.0 --model.mlp_ratio=2.0
+#     --model.aah.policy=random --model.aah.candidates=[4,8,16] --model.aah.seed=3 --model.optim.warmup_steps=1
+#     --data.source=synthetic --data.seq_len=16 --data.batch_size=2 --data.synthetic_documents=40
+#     --data.synthetic_vocab=12
+FORMAT_1 = Path(__file__).parent / "checkpoint_format1.ckpt"
+FORMAT_1_TABLE = [[8, 16], [8, 4]]
+# The settings it was trained with, as a command line of today.
+FORMAT_1_SETTINGS = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=8",
+    "--model.rope_base=500.0",
+    "--model.mlp_ratio=2.0",
+    "--model.aah.policy=random",
+    "--model.aah.candidates=[4,8,16]",
+    "--model.aah.seed=3",
+    "--model.optim.warmup_steps=1",
+    "--data.source=synthetic",
+    "--data.seq_len=16",
+    "--data.batch_size=2",
+    "--data.synthetic_documents=40",
+    "--data.synthetic_vocab=12",
+]
+
+
+def _run_args(tmp_path, subcommand: str, *extra: str) -> list[str]:
+    return [
+        subcommand,
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--checkpoint.every_n_train_steps=2",
+        *FORMAT_1_SETTINGS,
+        *extra,
+    ]
+
+
+def test_a_checkpoint_of_the_flat_layout_loads():
+    model, tokenizer = aah_lightning.load_model(FORMAT_1)
+    assert tokenizer is None and model.windows.tolist() == FORMAT_1_TABLE
+    cfg = model.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len, cfg.vocab_size) == (2, 2, 8, 16, 13)
+    assert (cfg.rope_base, cfg.mlp_ratio) == (500.0, 2.0)
+    module = AAHModule.load_from_checkpoint(FORMAT_1)
+    assert module.gpt_config == cfg and module.aah_config.candidates == [4, 8, 16]
+    assert module.optim_config.warmup_steps == 1
+    ids = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), module.eval().model(ids))
+
+
+def test_a_checkpoint_of_the_flat_layout_resumes_and_validates(tmp_path, capsys):
+    aah(
+        _run_args(tmp_path, "fit", f"--ckpt_path={FORMAT_1}", "--trainer.max_steps=6", "--trainer.val_check_interval=2")
+    )
+    resumed = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert resumed[ck.GLOBAL_STEP_KEY] == 6
+    assert ck.window_table(resumed).tolist() == FORMAT_1_TABLE  # random windows: drawn once, restored
+    aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}"))
+    with pytest.raises(SystemExit) as exc:  # a checkpoint of another shape: the setting named, in one line
+        aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}", "--model.n_embd=16"))
+    assert exc.value.code == 2
+    assert "holds a model with model.n_embd=8, but this run builds model.n_embd=16" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_the_flat_layout_exports(tmp_path):
+    pytest.importorskip("transformers")
+    from aah_lightning.export.exporter import export
+
+    export(str(FORMAT_1), str(tmp_path / "export"))
+    config = (tmp_path / "export" / "config.json").read_text()
+    assert '"num_hidden_layers": 2' in config and '"rope_base": 500.0' in config
