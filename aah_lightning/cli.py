@@ -71,8 +71,8 @@ class AAHCLI(LightningCLI):
         return parser
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.seq_len", "model.seq_len")
-        parser.link_arguments("data", "model.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
+        parser.link_arguments("data.seq_len", "model.gpt.seq_len")
+        parser.link_arguments("data", "model.gpt.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
         # Two checkpoints in one folder: last.ckpt every N steps (what --ckpt_path last resumes) and the best model by
         # validation loss. Both are written through AtomicCheckpointIO (see instantiate_trainer).
         parser.add_lightning_class_args(LastCheckpoint, "checkpoint")

@@ -5,6 +5,7 @@ docs/architecture.md agree; no other module of the package or tool spells a key 
 from __future__ import annotations
 
 import ast
+import json
 import pickle
 import shutil
 import struct
@@ -21,6 +22,7 @@ from aah_lightning import checkpoint as ck
 from aah_lightning.cli import main as aah
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "aah_lightning" / "checkpoint.py"
@@ -129,7 +131,7 @@ def test_load_model_of_a_text_checkpoint_and_its_refusals(tmp_path):
     import lightning as L
 
     torch.manual_seed(0)
-    module = AAHModule(n_layer=2, n_head=2, n_embd=16, seq_len=16, vocab_size=257)
+    module = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=16, vocab_size=257))
     module.model.set_windows([[3, 16], [16, 5]])
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=0)
     trainer.strategy.connect(module)
@@ -141,7 +143,7 @@ def test_load_model_of_a_text_checkpoint_and_its_refusals(tmp_path):
         assert torch.equal(model(ids), module.model.eval()(ids))
 
     checkpoint = torch.load(tmp_path / "hand.ckpt", weights_only=True)
-    checkpoint[ck.HYPER_PARAMETERS_KEY]["n_embd"] = 32
+    checkpoint[ck.HYPER_PARAMETERS_KEY]["gpt"]["n_embd"] = 32
     torch.save(checkpoint, tmp_path / "wider.ckpt")
     with pytest.raises(ConfigError, match="its weights do not match its hyperparameters"):
         aah_lightning.load_model(tmp_path / "wider.ckpt")
@@ -216,11 +218,11 @@ FORMAT_1 = Path(__file__).parent / "checkpoint_format1.ckpt"
 FORMAT_1_TABLE = [[8, 16], [8, 4]]
 # The settings it was trained with, as a command line of today.
 FORMAT_1_SETTINGS = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=8",
-    "--model.rope_base=500.0",
-    "--model.mlp_ratio=2.0",
+    "--model.gpt.n_layer=2",
+    "--model.gpt.n_head=2",
+    "--model.gpt.n_embd=8",
+    "--model.gpt.rope_base=500.0",
+    "--model.gpt.mlp_ratio=2.0",
     "--model.aah.policy=random",
     "--model.aah.candidates=[4,8,16]",
     "--model.aah.seed=3",
@@ -242,11 +244,23 @@ def _run_args(tmp_path, subcommand: str, *extra: str) -> list[str]:
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}/root",
         f"--checkpoint.dirpath={tmp_path}/ckpt",
         "--checkpoint.every_n_train_steps=2",
         *FORMAT_1_SETTINGS,
         *extra,
     ]
+
+
+def test_hyperparameters_of_every_layout_read_as_todays():
+    flat = {"n_layer": 2, "seq_len": 16, "_instantiator": "x", "aah": {"policy": "full"}, "optim": {"lr": 0.1}}
+    today = {"gpt": {"n_layer": 2, "seq_len": 16}, "aah": {"policy": "full"}, "optim": {"lr": 0.1}}
+    assert ck.hyperparameters({ck.HYPER_PARAMETERS_KEY: flat}) == today
+    saved = {**today, ck.HPARAMS_FORMAT_ENTRY: ck.HPARAMS_FORMAT}
+    assert ck.upgrade_hyperparameters(saved) == saved and ck.hyperparameters({ck.HYPER_PARAMETERS_KEY: saved}) == today
+    assert ck.gpt_settings({ck.HYPER_PARAMETERS_KEY: flat}) == {"n_layer": 2, "seq_len": 16}
+    with pytest.raises(ConfigError, match="written by a newer aah"):
+        ck.upgrade_hyperparameters({**today, ck.HPARAMS_FORMAT_ENTRY: ck.HPARAMS_FORMAT + 1})
 
 
 def test_a_checkpoint_of_the_flat_layout_loads():
@@ -264,17 +278,21 @@ def test_a_checkpoint_of_the_flat_layout_loads():
 
 
 def test_a_checkpoint_of_the_flat_layout_resumes_and_validates(tmp_path, capsys):
-    aah(
-        _run_args(tmp_path, "fit", f"--ckpt_path={FORMAT_1}", "--trainer.max_steps=6", "--trainer.val_check_interval=2")
-    )
+    recorder = f"--trainer.callbacks+=helpers.resume.Recorder --trainer.callbacks.folder={tmp_path}/steps".split()
+    aah(_run_args(tmp_path, "fit", f"--ckpt_path={FORMAT_1}", "--trainer.max_steps=6", *recorder))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "steps" / "rank0.jsonl").read_text().splitlines()]
+    assert steps == [5, 6]  # the two optimizer steps after the checkpoint's 4 (counted once done)
     resumed = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert resumed[ck.GLOBAL_STEP_KEY] == 6
     assert ck.window_table(resumed).tolist() == FORMAT_1_TABLE  # random windows: drawn once, restored
+    # saved in today's layout, with the settings the checkpoint had
+    assert resumed[ck.HYPER_PARAMETERS_KEY][ck.HPARAMS_FORMAT_ENTRY] == ck.HPARAMS_FORMAT
+    assert ck.hyperparameters(resumed) == ck.hyperparameters(ck.read_checkpoint(FORMAT_1))
     aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}"))
     with pytest.raises(SystemExit) as exc:  # a checkpoint of another shape: the setting named, in one line
-        aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}", "--model.n_embd=16"))
+        aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}", "--model.gpt.n_embd=16"))
     assert exc.value.code == 2
-    assert "holds a model with model.n_embd=8, but this run builds model.n_embd=16" in capsys.readouterr().err
+    assert "holds a model with model.gpt.n_embd=8, but this run builds model.gpt.n_embd=16" in capsys.readouterr().err
 
 
 def test_a_checkpoint_of_the_flat_layout_exports(tmp_path):

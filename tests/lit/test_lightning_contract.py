@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aah_lightning.cli import main
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 
 def test_a_resume_keeps_the_given_config_not_the_checkpoints(tmp_path, tiny_args):
@@ -89,7 +90,7 @@ def one_process_group(tmp_path):
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_ddp_that_broadcasts_buffers_is_warned_about(one_process_group, broadcast):
-    module = AAHModule(n_layer=1, n_head=2, n_embd=8, seq_len=16, vocab_size=11)
+    module = AAHModule(gpt=GPTConfig(n_layer=1, n_head=2, n_embd=8, seq_len=16, vocab_size=11))
     ddp = DistributedDataParallel(module, broadcast_buffers=broadcast)
     module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp), world_size=2)
     with warnings.catch_warnings(record=True) as caught:

@@ -15,7 +15,7 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   back to the residual stream. A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
   the layer's own, so it must not write into them.
 * ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
-  defines it, even where ``model.compile_blocks`` compiled it - for plans whose Python state changes from call to
+  defines it, even where ``model.gpt.compile_blocks`` compiled it - for plans whose Python state changes from call to
   call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
   skipped too (FSDP2's gathering: generation runs unsharded anyway).
 
@@ -114,7 +114,7 @@ _BACKENDS: dict[str, Backend] = {}
 
 
 def register(cls: type[Backend]) -> type[Backend]:
-    """Class decorator: make a backend selectable by its ``name`` (``model.backend``)."""
+    """Class decorator: make a backend selectable by its ``name`` (``model.gpt.backend``)."""
     if cls.name in _BACKENDS or cls.name == "auto":
         raise ValueError(f"attention backend name {cls.name!r} is taken")
     _BACKENDS[cls.name] = cls()
@@ -147,19 +147,19 @@ _logged: set[str] = set()
 
 
 def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_len: int) -> str:
-    """The backend that runs now for a configured ``model.backend``: ``auto`` by ``AUTO_RULES``; a named backend if
+    """The backend that runs now for a configured ``model.gpt.backend``: ``auto`` by ``AUTO_RULES``; a named backend if
     available, else its fallback (one log line), else ``BackendUnavailable`` with the reason."""
     device = torch.device(device)
     if requested == "auto":
         for name, min_seq_len in AUTO_RULES.get(device.type, AUTO_RULES["cpu"]):
             if seq_len >= min_seq_len and get_backend(name).available(device, needs_grad):
                 return name
-        raise BackendUnavailable(f"model.backend=auto: no attention backend runs on {device.type}")
+        raise BackendUnavailable(f"model.gpt.backend=auto: no attention backend runs on {device.type}")
     backend = get_backend(requested)
     while not (state := backend.available(device, needs_grad)):
         if backend.fallback is None:
             raise BackendUnavailable(state.reason)
-        message = f"model.backend={backend.name} unavailable ({state.reason}); using {backend.fallback}"
+        message = f"model.gpt.backend={backend.name} unavailable ({state.reason}); using {backend.fallback}"
         if message not in _logged:
             _logged.add(message)
             log.warning(message)

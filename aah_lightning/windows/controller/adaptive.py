@@ -310,7 +310,7 @@ class AdaptivePolicy(WindowPolicy):
         if self.ema is not None and tuple(self.ema.shape) != expected:
             raise ConfigError(
                 f"the checkpoint's controller state has features of shape {tuple(self.ema.shape)} (layers, heads, "
-                f"features), this run expects {expected}: model.n_layer, model.n_head and model.aah.candidates must "
+                f"features), this run expects {expected}: model.gpt.n_layer, model.gpt.n_head and model.aah.candidates must "
                 f"match the checkpoint"
             )
         self.partitions = [None if p is None else [list(map(int, g)) for g in p] for p in state["partitions"]]
