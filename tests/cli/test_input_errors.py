@@ -37,6 +37,16 @@ def text_file(tmp_path, name="corpus.txt", text=None) -> str:
 
 
 # -- model shape and window settings ---------------------------------------------------------------------------------
+def test_a_gpt_setting_where_it_was_before_model_gpt_says_where_it_is_now(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--model.n_layer=3")
+    assert (
+        line
+        == "aah: error: model.n_layer is now model.gpt.n_layer: the GPT's settings are under model.gpt (aah fit --help)"
+    )
+    line = refuse(tmp_path / "yaml", capsys, model={"backend": "sdpa"})  # in a config file
+    assert "model.backend is now model.gpt.backend" in line
+
+
 def test_candidate_window_zero(tmp_path, capsys):
     line = refuse(tmp_path, capsys, "--model.aah.candidates", "[0, 16]")
     assert "model.aah.candidates" in line and "[1, seq_len=32]" in line
