@@ -133,11 +133,9 @@ def backend_names() -> tuple[str, ...]:
 
 
 # The ``auto`` rule, per device type: the first (backend, from sequence length) whose backend is available wins.
-# CPU: banded trains and infers fastest from T = 256 on (docs/benchmarks.md: 1.44x tokens/s of full causal at
-# T = 4096, and its forward beats compiled flex without a compile); below, the dense mask wins (too few tokens to
-# amortise banded's extra kernel calls). CUDA: flex_tuned, fastest of every CUDA plan measured on an H200 at T = 4096
-# and 16384 (docs/benchmarks.md: fwd+bwd 0.74x / 0.63x of SDPA causal; split and varlen 1.25x / 1.0x and 1.49x /
-# 0.87x); on GPUs without pinned options it is plain flex.
+# Each rule names the fastest measured plan for its device and lengths (the measurements: docs/benchmarks.md).
+# CPU: banded from T = 256 on; below, the dense mask (too few tokens to amortise banded's extra kernel calls).
+# CUDA: flex_tuned; on GPUs without pinned options it is plain flex.
 AUTO_RULES: dict[str, tuple[tuple[str, int], ...]] = {
     "cuda": (("flex_tuned", 0),),
     "cpu": (("banded", 256), ("sdpa", 0)),

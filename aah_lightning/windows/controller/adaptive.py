@@ -328,7 +328,7 @@ class AdaptivePolicy(WindowPolicy):
         self.partition_generator.set_state(state["partition_generator"])
         if state.get("allocator") and hasattr(self.allocator, "load_state_dict"):
             self.allocator.load_state_dict(state["allocator"])
-        if "spend" in state:  # checkpoints written before budgets over the run: nothing was counted
+        if "spend" in state:  # optional: a state without it has counted no spend
             self.spend.load_state_dict(state["spend"])
 
 
