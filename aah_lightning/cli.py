@@ -10,13 +10,16 @@ saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import traceback
 from typing import Optional
 
 import torch
 from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -24,6 +27,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
+from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.callbacks import Throughput
 from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
 from aah_lightning.lit.datamodule import TextDataModule
@@ -111,6 +115,7 @@ class AAHCLI(LightningCLI):
         # bf16-mixed on a GPU, fp32 on CPU, unless the config says otherwise.
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         trainer = cfg["trainer"]
+        validation.check_devices(trainer.get("accelerator"), trainer.get("devices"))  # before any class is built
         if trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and trainer.get("accelerator") in ("auto", "gpu", "cuda", None)
             trainer["precision"] = "bf16-mixed" if on_gpu else "32-true"
@@ -133,7 +138,15 @@ class AAHCLI(LightningCLI):
         # --ckpt_path would resume from.
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
-        return super().instantiate_trainer(plugins=plugins, **kwargs)
+        try:
+            return super().instantiate_trainer(plugins=plugins, **kwargs)
+        except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
+            # What check_devices cannot foresee (strategies, num_nodes, device combinations): Lightning's first line.
+            if not any(f.filename.endswith("accelerator_connector.py") for f in traceback.extract_tb(e.__traceback__)):
+                raise
+            t = config["trainer"]
+            given = ", ".join(f"trainer.{k}={t.get(k)!r}" for k in ("accelerator", "devices", "strategy", "num_nodes"))
+            raise ConfigError(f"{given} cannot be used on this machine: {first_line(e)}") from e
 
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
@@ -189,6 +202,27 @@ def _user_error(exc: BaseException | None):
     return None
 
 
+def check_config_files(argv) -> None:
+    """Every ``--config`` / ``-c`` file of the command line is a readable UTF-8 YAML mapping: one line naming it
+    otherwise (jsonargparse prints its whole usage for a missing file and a traceback for one that is not UTF-8).
+    A YAML string given in place of a file is left to jsonargparse."""
+    if not isinstance(argv, (list, tuple)):
+        return
+    for i, arg in enumerate(argv):
+        arg = str(arg)
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg in ("-c", "--config") and i + 1 < len(argv):
+            path = str(argv[i + 1])
+        else:
+            continue
+        if not os.path.exists(path) and ("\n" in path or path.lstrip().startswith("{") or ": " in path):
+            continue  # jsonargparse also takes the settings themselves, as a YAML string
+        config = read_yaml(path, "--config")
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"--config={path!r} holds a YAML {type(config).__name__}, not a mapping of settings")
+
+
 def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, (list, tuple)) and argv and argv[0] == "export":  # not a Trainer run: its own small parser
@@ -196,6 +230,7 @@ def main(args=None) -> None:
 
         sys.exit(export_main(list(argv[1:])))
     try:
+        check_config_files(argv)
         AAHCLI(
             AAHModule,
             TextDataModule,
