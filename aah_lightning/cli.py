@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 import traceback
 from typing import Optional
@@ -20,16 +21,18 @@ import torch
 from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
+from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SigtermStop
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
@@ -223,6 +226,28 @@ def check_config_files(argv) -> None:
             raise ConfigError(f"--config={path!r} holds a YAML {type(config).__name__}, not a mapping of settings")
 
 
+def sigterm_report(stop: SIGTERMException, argv) -> str:
+    """What happened and how to go on, after SIGTERM ended a run."""
+    if not isinstance(stop, SigtermStop):  # Lightning's: the signal came before the first training step
+        return (
+            "stopped by SIGTERM before this run finished a training step: nothing was saved (an earlier last.ckpt is "
+            "unchanged)"
+        )
+    command = "aah fit ... --ckpt_path last"
+    if isinstance(argv, (list, tuple)) and argv and argv[0] == "fit":
+        kept, skip = [], False
+        for arg in map(str, argv[1:]):
+            if skip or arg.startswith("--ckpt_path="):
+                skip = False
+                continue
+            if arg == "--ckpt_path":
+                skip = True
+                continue
+            kept.append(arg)
+        command = shlex.join(["aah", "fit", *kept, "--ckpt_path", "last"])
+    return f"stopped by SIGTERM after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
+
+
 def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, (list, tuple)) and argv and argv[0] == "export":  # not a Trainer run: its own small parser
@@ -251,6 +276,10 @@ def main(args=None) -> None:
             print(f"aah: error: {error}", file=sys.stderr)
             sys.exit(4)
         raise
+    except SIGTERMException as e:  # a SystemExit: Lightning's own carries no code (exit 0); this run's is 143
+        if rank_zero_only.rank == 0:
+            print(f"aah: {sigterm_report(e, argv)}", file=sys.stderr, flush=True)
+        sys.exit(SIGTERM_EXIT_CODE)
     finally:
         shutdown_process_group()
 

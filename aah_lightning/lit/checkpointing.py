@@ -9,6 +9,11 @@ system than the checkpoint folder (local /tmp, shared scratch), the commit is a 
 kill can truncate; it also never fsyncs. FSDP2's checkpoint folders, which every rank writes outside CheckpointIO,
 get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder, then an atomic swap of a link).
 
+Stopping on SIGTERM (``LastCheckpoint``): a preemption, ``scontrol requeue``, ``kill`` or torchrun's shutdown sends
+SIGTERM. Every rank finishes the optimizer step it is in (the whole accumulation window), the ranks agree at that step
+boundary (``reduce_boolean_decision``: one rank's signal is enough), ``last.ckpt`` of that step is written (atomically,
+as every checkpoint) and ``SigtermStop`` ends the run; the CLI says so in one line and exits with 143.
+
 Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
 must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
 the user passes ``--weights_only false``. Every failure is a one-line ``ConfigError`` naming the file. The checkpoint's
@@ -21,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +38,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
 from aah_lightning.errors import CheckpointWriteError
@@ -126,14 +134,35 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
 
 
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+
+
+class SigtermStop(SIGTERMException):
+    """Training stopped after SIGTERM at the step boundary ``step``; ``path`` is that step's ``last.ckpt``. A
+    ``SystemExit`` with code 143 (Lightning's own ``SIGTERMException`` carries none: the process would exit 0)."""
+
+    def __init__(self, step: int, path: str):
+        super().__init__(SIGTERM_EXIT_CODE)
+        self.step, self.path = step, path
+
+
 class LastCheckpoint(ModelCheckpoint):
-    """The crash-safety checkpoint: ``last.ckpt`` every ``every_n_train_steps`` steps (or ``train_time_interval``)
-    and at the end of training.
+    """The crash-safety checkpoint: ``last.ckpt`` every ``every_n_train_steps`` steps (or ``train_time_interval``),
+    at the end of training, and when the run is stopped by SIGTERM.
 
     A ``ModelCheckpoint`` that monitors a validation metric defers its step-triggered saves to the next validation
     (Lightning >= 2.5), so its ``last.ckpt`` only moves at validation time. This one monitors nothing, keeps only
     ``last.ckpt`` and also saves the final step, so a finished run's ``last`` is its end state. The best model by
     validation loss is a second, ordinary ``ModelCheckpoint`` (``best_checkpoint`` in the CLI).
+
+    SIGTERM. Lightning's ``_SignalConnector`` only sets ``trainer.received_sigterm``; its loops then raise
+    ``SIGTERMException`` after the current micro-batch (mid-accumulation), nothing is saved and the process exits
+    with 0. From ``on_train_start`` on (after Lightning has registered its handlers) this callback takes SIGTERM over:
+    the handler only counts signals. At every optimizer-step boundary the ranks reduce "any rank was signalled"
+    (``strategy.reduce_boolean_decision``; a no-op on one process); when it is true every rank is at the same step
+    boundary: ``last.ckpt`` of that step is written (unless it already was) and ``SigtermStop`` is raised. A second
+    SIGTERM while that happens is counted and changes nothing; Lightning's teardown puts the original handlers back
+    afterwards. A signal before ``on_train_start`` (setup, sanity validation) stays Lightning's: no step was trained.
 
     Args:
         dirpath: the checkpoint folder (``--ckpt_path last`` looks here).
@@ -171,8 +200,35 @@ class LastCheckpoint(ModelCheckpoint):
         # checkpoint written after the loop finished as one step and one epoch further on, so a run extended from it
         # (a larger max_steps) would log every point one step late.
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+        finished = 0 < trainer.max_steps <= trainer.global_step
+        if finished and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if trainer.fit_loop._should_accumulate():  # inside an accumulation window: the step is not finished
+            return
+        # Every rank is at the same step boundary here: one collective decides for all of them.
+        if not trainer.strategy.reduce_boolean_decision(self._sigterms > 0, all=False) or finished:
+            return
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        raise SigtermStop(trainer.global_step, self.last_model_path)
+
+    # -- SIGTERM ------------------------------------------------------------------------------------------------------
+    _sigterms = 0
+
+    @property
+    def sigterms(self) -> int:
+        """How many times this process has received SIGTERM since training started (from the first on, the run stops
+        at the next step boundary)."""
+        return self._sigterms
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._sigterms = 0
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Nothing else here: no collective, no I/O. The step boundary acts on it.
+        self._sigterms += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.

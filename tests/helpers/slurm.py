@@ -8,6 +8,8 @@ import time
 
 import lightning as L
 
+from aah_lightning.lit.checkpointing import LastCheckpoint
+
 TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start processes
 
 
@@ -43,7 +45,8 @@ class SlurmProbe(L.Callback):
             return
         self._write(f"held.{self.restart}.rank{trainer.global_rank}.json", {"step": trainer.global_step})
         deadline = time.monotonic() + TIMEOUT
-        while not trainer.received_sigterm:  # SLURM ends a requeued job's tasks with SIGTERM; Lightning stops then
+        stop = next(cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint))
+        while stop.sigterms == 0:  # SLURM ends a requeued job's tasks with SIGTERM: the run stops after this step
             if time.monotonic() > deadline:
                 raise RuntimeError(f"held after step {trainer.global_step} and never stopped")
             time.sleep(0.1)
