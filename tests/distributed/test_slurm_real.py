@@ -1,8 +1,8 @@
 """The SLURM batch script on a real one-node SLURM cluster (munged, slurmctld and slurmd from Debian's packages, started
 by ``tools/slurm_local.sh`` in a temporary folder): two ranks train under ``SLURMEnvironment``, a preemption
 (``scontrol requeue``) and the time-limit signal (``scancel --signal=USR1 --batch``) each requeue the job exactly once,
-every restart resumes from ``last.ckpt``, and the job ends COMPLETED with the weights of a job that was never
-interrupted, under DDP and FSDP2.
+SLURM's SIGTERM makes the tasks finish the step they are in and write its ``last.ckpt``, every restart resumes from
+that step, and the job ends COMPLETED with the weights of a job that was never interrupted, under DDP and FSDP2.
 
 Runs as root on Linux (the daemons and the jobs run as root). Installs the packages with apt-get when they are
 missing; where that is impossible the test fails rather than skipping."""
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.heavy
 SCRIPT = os.path.join(REPO, "configs", "cluster", "slurm.sbatch")
 SLURM_LOCAL = os.path.join(REPO, "tools", "slurm_local.sh")
 STEPS = 6
-PREEMPT_AT, TIME_LIMIT_AT = 2, 4  # the first run is preempted after step 2, the second signalled after step 4
+PREEMPT_AT, TIME_LIMIT_AT = 2, 4  # the first run is preempted inside step 3, the second signalled inside step 5
 
 
 # -- the cluster ------------------------------------------------------------------------------------------------------
@@ -265,12 +265,18 @@ def test_preempted_and_time_limited_jobs_requeue_and_resume_exactly(slurm, jobs,
     # One requeue per signal (the USR1 one by the batch script), then one run to the end.
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "2"), _logs(run)
     assert output.count("aah: time limit near, requeueing job") == 1, output[-3000:]
-    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT), (2, TIME_LIMIT_AT)):
+    # Each requeue's SIGTERM: the held step was finished and saved, rank 0 said so once.
+    stops = [line for line in output.splitlines() if line.startswith("aah: stopped by SIGTERM")]
+    assert [line.split(":")[1] for line in stops] == [
+        f" stopped by SIGTERM after step {PREEMPT_AT + 1}",
+        f" stopped by SIGTERM after step {TIME_LIMIT_AT + 1}",
+    ], output[-3000:]
+    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT + 1), (2, TIME_LIMIT_AT + 1)):
         for rank, start in enumerate(_starts(run, restart)):
             assert start["environment"] == "SLURMEnvironment" and start["world_size"] == 2, start
             assert start["procid"] == rank  # SLURM's task ids are Lightning's ranks
             assert start["auto_requeue"] is False  # the batch script requeues, not Lightning
-            assert start["step"] == resumed_from  # from last.ckpt: the work after it was lost
+            assert start["step"] == resumed_from  # from the last.ckpt written on SIGTERM: nothing was lost
 
     expected, got = _weights(ref), _weights(run)
     assert expected.keys() == got.keys()

@@ -15,8 +15,8 @@ TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start p
 
 class SlurmProbe(L.Callback):
     """Inside the job: records how each rank of each run started, and holds the run in the middle of an accumulation
-    window after step ``hold_at[r]`` (r = the job's restart count) until SLURM stops it, so the test can signal the
-    job at a known point."""
+    window after step ``hold_at[r]`` (r = the job's restart count) until SLURM's SIGTERM reaches the rank, so the test
+    can signal the job at a known point. Released, the rank finishes that step, writes last.ckpt and stops."""
 
     def __init__(self, folder: str, hold_at: list[int]):
         self.folder, self.hold_at = folder, hold_at
