@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import sys
 import traceback
 from typing import Optional
@@ -32,7 +33,7 @@ from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SigtermStop
+from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SignalStop
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
@@ -138,7 +139,8 @@ class AAHCLI(LightningCLI):
             plugins.append(AtomicCheckpointIO())
         # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch). Lightning's own handler would
         # requeue it too when USR1 reaches the tasks, after saving a mid-step hpc_ckpt that a restart without
-        # --ckpt_path would resume from.
+        # --ckpt_path would resume from. LastCheckpoint takes a USR1 that reaches the tasks instead (save the step,
+        # then one requeue).
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
         try:
@@ -227,8 +229,8 @@ def check_config_files(argv) -> None:
 
 
 def sigterm_report(stop: SIGTERMException, argv) -> str:
-    """What happened and how to go on, after SIGTERM ended a run."""
-    if not isinstance(stop, SigtermStop):  # Lightning's: the signal came before the first training step
+    """What happened and how to go on, after SIGTERM (or SLURM's requeue signal) ended a run."""
+    if not isinstance(stop, SignalStop):  # Lightning's: the signal came before the first training step
         return (
             "stopped by SIGTERM before this run finished a training step: nothing was saved (an earlier last.ckpt is "
             "unchanged)"
@@ -245,6 +247,11 @@ def sigterm_report(stop: SIGTERMException, argv) -> str:
                 continue
             kept.append(arg)
         command = shlex.join(["aah", "fit", *kept, "--ckpt_path", "last"])
+    if stop.requeue is not None:
+        return (
+            f"stopped by {signal.Signals(stop.signum).name} (SLURM's requeue signal) after step {stop.step}: its "
+            f"checkpoint is {stop.path}; {stop.requeue}"
+        )
     return f"stopped by SIGTERM after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
 
 
@@ -279,7 +286,7 @@ def main(args=None) -> None:
     except SIGTERMException as e:  # a SystemExit: Lightning's own carries no code (exit 0); this run's is 143
         if rank_zero_only.rank == 0:
             print(f"aah: {sigterm_report(e, argv)}", file=sys.stderr, flush=True)
-        sys.exit(SIGTERM_EXIT_CODE)
+        sys.exit(e.code if isinstance(e, SignalStop) else SIGTERM_EXIT_CODE)
     finally:
         shutdown_process_group()
 

@@ -12,7 +12,8 @@ get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder,
 Stopping on SIGTERM (``LastCheckpoint``): a preemption, ``scontrol requeue``, ``kill`` or torchrun's shutdown sends
 SIGTERM. Every rank finishes the optimizer step it is in (the whole accumulation window), the ranks agree at that step
 boundary (``reduce_boolean_decision``: one rank's signal is enough), ``last.ckpt`` of that step is written (atomically,
-as every checkpoint) and ``SigtermStop`` ends the run; the CLI says so in one line and exits with 143.
+as every checkpoint) and ``SignalStop`` ends the run; the CLI says so in one line and exits with 143. SLURM's requeue
+signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once.
 
 Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
 must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
@@ -28,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -137,13 +140,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
 
 
-class SigtermStop(SIGTERMException):
-    """Training stopped after SIGTERM at the step boundary ``step``; ``path`` is that step's ``last.ckpt``. A
-    ``SystemExit`` with code 143 (Lightning's own ``SIGTERMException`` carries none: the process would exit 0)."""
+class SignalStop(SIGTERMException):
+    """Training stopped after a signal at the step boundary ``step``; ``path`` is that step's ``last.ckpt``. A
+    ``SystemExit`` with code 128 + the signal (SIGTERM: 143; Lightning's own ``SIGTERMException`` carries none, so the
+    process would exit 0). ``requeue``: what rank 0 did about SLURM's requeue signal (None for SIGTERM)."""
 
-    def __init__(self, step: int, path: str):
-        super().__init__(SIGTERM_EXIT_CODE)
-        self.step, self.path = step, path
+    def __init__(self, step: int, path: str, signum: int = signal.SIGTERM, requeue: Optional[str] = None):
+        super().__init__(128 + signum)
+        self.step, self.path, self.signum, self.requeue = step, path, signum, requeue
+
+
+def slurm_job_id() -> Optional[str]:
+    """The id ``scontrol requeue`` takes for this job (``<array job>_<task>`` for an array task), as Lightning forms it."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue`` this job once; what happened, in words. A job that SLURM is already requeueing (the batch
+    shell also trapped the signal) answers 'Job is pending execution': still one requeue."""
+    job = slurm_job_id()
+    if not job:
+        return "not requeued: SLURM_JOB_ID is not set"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not requeued: scontrol requeue {job} failed ({type(e).__name__}: {e})"
+    if done.returncode == 0:
+        return f"SLURM job {job} requeued: it starts again and resumes from this checkpoint"
+    reason = (done.stderr or done.stdout).strip().splitlines()
+    return f"scontrol requeue {job} answered: {reason[0] if reason else done.returncode} (no second requeue)"
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -160,9 +188,14 @@ class LastCheckpoint(ModelCheckpoint):
     with 0. From ``on_train_start`` on (after Lightning has registered its handlers) this callback takes SIGTERM over:
     the handler only counts signals. At every optimizer-step boundary the ranks reduce "any rank was signalled"
     (``strategy.reduce_boolean_decision``; a no-op on one process); when it is true every rank is at the same step
-    boundary: ``last.ckpt`` of that step is written (unless it already was) and ``SigtermStop`` is raised. A second
+    boundary: ``last.ckpt`` of that step is written (unless it already was) and ``SignalStop`` is raised. A second
     SIGTERM while that happens is counted and changes nothing; Lightning's teardown puts the original handlers back
     afterwards. A signal before ``on_train_start`` (setup, sanity validation) stays Lightning's: no step was trained.
+
+    SLURM's requeue signal (USR1) reaching the tasks (``--signal=USR1@300`` without ``B:``, ``scancel --signal=USR1``
+    without ``--batch``): under a ``SLURMEnvironment`` whose Lightning auto-requeue is off (the CLI's), it is taken the
+    same way, and after the save rank 0 requeues the job once (``scontrol requeue``), unless some rank also got SIGTERM
+    (SLURM is ending the job already: a requeue, preemption or cancel is under way). Exit code 138 (128 + USR1).
 
     Args:
         dirpath: the checkpoint folder (``--ckpt_path last`` looks here).
@@ -205,15 +238,23 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if trainer.fit_loop._should_accumulate():  # inside an accumulation window: the step is not finished
             return
-        # Every rank is at the same step boundary here: one collective decides for all of them.
-        if not trainer.strategy.reduce_boolean_decision(self._sigterms > 0, all=False) or finished:
+        # Every rank is at the same step boundary here: one collective decides for all of them (and, only when they
+        # stop, two more say which signal).
+        strategy = trainer.strategy
+        if not strategy.reduce_boolean_decision(self._sigterms + self._requeues > 0, all=False) or finished:
             return
+        terminated = strategy.reduce_boolean_decision(self._sigterms > 0, all=False)
+        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not terminated
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        raise SigtermStop(trainer.global_step, self.last_model_path)
+        if not requeue:
+            raise SignalStop(trainer.global_step, self.last_model_path)
+        done = requeue_slurm_job() if trainer.is_global_zero else None
+        raise SignalStop(trainer.global_step, self.last_model_path, self._requeue_signal, done)
 
-    # -- SIGTERM ------------------------------------------------------------------------------------------------------
-    _sigterms = 0
+    # -- signals -------------------------------------------------------------------------------------------------------
+    _sigterms = _requeues = 0
+    _requeue_signal = signal.SIGUSR1
 
     @property
     def sigterms(self) -> int:
@@ -221,14 +262,28 @@ class LastCheckpoint(ModelCheckpoint):
         at the next step boundary)."""
         return self._sigterms
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._sigterms = 0
-        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+    @property
+    def requeue_signals(self) -> int:
+        """How many times this process has received SLURM's requeue signal (USR1) since training started."""
+        return self._requeues
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._sigterms = self._requeues = 0
+        if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # As Lightning's _SignalConnector finds it (a single-device run under srun has a cluster environment too).
+        environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+        if isinstance(environment, SLURMEnvironment) and not environment.auto_requeue:
+            self._requeue_signal = environment.requeue_signal or signal.SIGUSR1
+            signal.signal(self._requeue_signal, self._on_requeue_signal)
+
+    # Nothing else in the handlers: no collective, no I/O. The step boundary acts on them.
     def _on_sigterm(self, signum, frame) -> None:
-        # Nothing else here: no collective, no I/O. The step boundary acts on it.
         self._sigterms += 1
+
+    def _on_requeue_signal(self, signum, frame) -> None:
+        self._requeues += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.

@@ -233,7 +233,27 @@ class _Signals(threading.Thread):
             raise self.error
 
 
+class _Usr1(threading.Thread):
+    """Sends USR1 to a job's training tasks (``scancel --signal=USR1``: what ``--signal=USR1@300`` without ``B:`` does
+    before the time limit) or, with ``full``, to the batch shell and the tasks alike, at its first hold point."""
+
+    def __init__(self, env, job_id: str, run: str, full: bool):
+        super().__init__(daemon=True)
+        self.env, self.job_id, self.run_dir, self.full, self.error = env, job_id, run, full, None
+
+    def run(self):
+        try:
+            _wait(lambda: _held(self.run_dir, 0), "the first run to reach its hold point", self.run_dir)
+            full = ["--full"] if self.full else []
+            subprocess.run(["scancel", "--signal=USR1", *full, self.job_id], env=self.env, check=True)
+        except BaseException as err:
+            self.error = err
+
+    sent = _Signals.sent
+
+
 STRATEGIES = ["ddp", "fsdp2"]
+USR1_TARGETS = ["tasks", "full"]
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +267,11 @@ def jobs(slurm):
         signals = _Signals(slurm[0], *job)
         signals.start()
         submitted[strategy] = (ref, job, signals)
+    for target in USR1_TARGETS:  # DDP only: the signal path is the same under FSDP2
+        job = _submit(slurm, f"usr1-{target}", "ddp", hold_at=[PREEMPT_AT])
+        signals = _Usr1(slurm[0], *job, full=target == "full")
+        signals.start()
+        submitted[f"usr1-{target}"] = (job, signals)
     return submitted
 
 
@@ -280,5 +305,37 @@ def test_preempted_and_time_limited_jobs_requeue_and_resume_exactly(slurm, jobs,
 
     expected, got = _weights(ref), _weights(run)
     assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+@pytest.mark.parametrize("target", USR1_TARGETS)
+def test_usr1_to_the_training_tasks_requeues_once_and_resumes_exactly(slurm, jobs, target):
+    # The batch script traps USR1 (--signal=B:USR1@300). A site that sends it to the tasks instead, or to every
+    # process of the job, still gets one requeue and a resume from the step the signal interrupted.
+    env = slurm[0]
+    (job_id, run), signals = jobs[f"usr1-{target}"]
+    signals.sent()
+    job = _finished(env, job_id, run)
+    with open(os.path.join(run, f"slurm-{job_id}.out"), errors="replace") as f:
+        output = f.read()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), _logs(run)
+    shell_requeued = output.count("aah: time limit near, requeueing job")
+    stops = [line for line in output.splitlines() if line.startswith("aah: stopped by ")]
+    assert len(stops) == 1, output[-3000:]
+    if target == "tasks":  # the batch shell never saw the signal: rank 0 requeued the job after the save
+        assert shell_requeued == 0, output[-3000:]
+        assert stops[0].startswith(f"aah: stopped by SIGUSR1 (SLURM's requeue signal) after step {PREEMPT_AT + 1}: ")
+        assert stops[0].endswith(f"SLURM job {job_id} requeued: it starts again and resumes from this checkpoint")
+    else:  # the batch shell requeued at once; the tasks' SIGTERM (or their own requeue's refusal) made no second one
+        assert shell_requeued == 1, output[-3000:]
+        assert f"after step {PREEMPT_AT + 1}: " in stops[0], stops
+    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT + 1)):
+        for start in _starts(run, restart):
+            assert start["step"] == resumed_from and start["auto_requeue"] is False, start
+
+    ref = jobs["ddp"][0][1]
+    _finished(env, jobs["ddp"][0][0], ref)
+    expected, got = _weights(ref), _weights(run)
     for key in expected:
         assert torch.equal(expected[key], got[key]), key

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from aah_lightning.cli import main, sigterm_report
-from aah_lightning.lit.checkpointing import SigtermStop, load_checkpoint_file
+from aah_lightning.lit.checkpointing import SignalStop, load_checkpoint_file
 from helpers.cli import PYTHON, subprocess_env
 from helpers.resume import INTERRUPT_AT, check_resumed, run_args
 from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
@@ -40,9 +40,20 @@ def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_a
 
 
 def test_the_line_names_the_command_to_resume_with():
-    stop = SigtermStop(59, "runs/quickstart/checkpoints/last.ckpt")
+    stop = SignalStop(59, "runs/quickstart/checkpoints/last.ckpt")
     argv = ["fit", "--config", "configs/quickstart.yaml", "--ckpt_path", "runs/x.ckpt", "--model.n_layer=2"]
     assert sigterm_report(stop, argv) == (
         "stopped by SIGTERM after step 59: its checkpoint is runs/quickstart/checkpoints/last.ckpt; resume with: "
         "aah fit --config configs/quickstart.yaml --model.n_layer=2 --ckpt_path last"
+    )
+
+
+def test_the_line_after_slurms_requeue_signal_says_what_rank_0_did():
+    import signal
+
+    stop = SignalStop(7, "run/last.ckpt", signal.SIGUSR1, "SLURM job 42 requeued: it starts again and resumes from it")
+    assert stop.code == 138
+    assert sigterm_report(stop, ["fit"]) == (
+        "stopped by SIGUSR1 (SLURM's requeue signal) after step 7: its checkpoint is run/last.ckpt; SLURM job 42 "
+        "requeued: it starts again and resumes from it"
     )
