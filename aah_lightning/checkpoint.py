@@ -14,8 +14,8 @@ this table in code, ``keys_table()`` prints it; docs/architecture.md, "Checkpoin
 | `callbacks` | `CALLBACKS_KEY` | Lightning: each callback's `state_dict()` | `WindowDiagnostics`' probe sample, the checkpoint callbacks' bookkeeping |
 | `optimizer_states` | `OPTIMIZER_STATES_KEY` | Lightning | AdamW's state |
 | `lr_schedulers` | `LR_SCHEDULERS_KEY` | Lightning | the warmup + cosine schedule's state |
-| `hparams_name` | `HPARAMS_NAME_KEY` | Lightning | how the hyperparameters were saved (`kwargs`) |
-| `hyper_parameters` | `HYPER_PARAMETERS_KEY` | Lightning: `AAHModule.save_hyperparameters` | the `model.*` settings, flat, `aah` and `optim` as plain dicts: the GPT `load_model` rebuilds |
+| `hparams_name` | `HPARAMS_NAME_KEY` | Lightning | how the hyperparameters were saved (`null`: as one dict; `kwargs` in the earlier flat layout) |
+| `hyper_parameters` | `HYPER_PARAMETERS_KEY` | Lightning: `AAHModule.save_hyperparameters` | the `model.*` settings as plain dicts `gpt`, `aah`, `optim` and their layout's version `_format` (`HPARAMS_FORMAT_ENTRY`; `upgrade_hyperparameters` reads earlier layouts): the GPT `load_model` rebuilds |
 | `datamodule_hparams_name` | `DATAMODULE_HPARAMS_NAME_KEY` | Lightning | as `hparams_name`, for the data module |
 | `datamodule_hyper_parameters` | `DATAMODULE_HYPER_PARAMETERS_KEY` | Lightning: `TextDataModule.save_hyperparameters` | the `data.*` settings (`source`, `tokenizer`, ...): the tokenizer of `load_model` and of the export |
 | `TextDataModule` | `DATAMODULE_STATE_KEY` | Lightning: `TextDataModule.state_dict()`, under the class's name | the data position (`layout`; streamed data: every rank's position) |
@@ -46,6 +46,7 @@ import pickle
 import zipfile
 import zlib
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -53,7 +54,7 @@ import torch
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import first_line
-from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.config import WEIGHT_SHAPE_SETTINGS, GPTConfig
 from aah_lightning.model.gpt import GPT
 
 # -- the top-level keys ------------------------------------------------------------------------------------------------
@@ -99,10 +100,14 @@ KEYS: dict[str, tuple[str, str]] = {
     ),
     OPTIMIZER_STATES_KEY: ("Lightning", "AdamW's state"),
     LR_SCHEDULERS_KEY: ("Lightning", "the warmup + cosine schedule's state"),
-    HPARAMS_NAME_KEY: ("Lightning", "how the hyperparameters were saved (`kwargs`)"),
+    HPARAMS_NAME_KEY: (
+        "Lightning",
+        "how the hyperparameters were saved (`null`: as one dict; `kwargs` in the earlier flat layout)",
+    ),
     HYPER_PARAMETERS_KEY: (
         "Lightning: `AAHModule.save_hyperparameters`",
-        "the `model.*` settings, flat, `aah` and `optim` as plain dicts: the GPT `load_model` rebuilds",
+        "the `model.*` settings as plain dicts `gpt`, `aah`, `optim` and their layout's version `_format` "
+        "(`HPARAMS_FORMAT_ENTRY`; `upgrade_hyperparameters` reads earlier layouts): the GPT `load_model` rebuilds",
     ),
     DATAMODULE_HPARAMS_NAME_KEY: ("Lightning", "as `hparams_name`, for the data module"),
     DATAMODULE_HYPER_PARAMETERS_KEY: (
@@ -142,8 +147,29 @@ def keys_table() -> str:
     return "\n".join(rows)
 
 
-# Hyperparameters that decide the shapes of the weights (and the window table [n_layer, n_head]).
-SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "vocab_size", "mlp_ratio", "bias")
+# The layout of the module's hyperparameters (inside ``hyper_parameters``, under ``HPARAMS_FORMAT_ENTRY``; a ``_`` key
+# is not an argument of the module). 1 (no version saved): the GPT's settings flat next to the ``aah`` and ``optim``
+# dicts, as ``--model.n_layer``; 2: one dict per settings dataclass, ``gpt``, ``aah`` and ``optim``
+# (``--model.gpt.n_layer``). ``upgrade_hyperparameters`` reads every earlier layout as today's.
+HPARAMS_FORMAT_ENTRY = "_format"
+HPARAMS_FORMAT = 2
+# Format 1's flat settings, which format 2 holds in ``gpt``.
+_FLAT_GPT_SETTINGS = (
+    "vocab_size",
+    "seq_len",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "mlp_ratio",
+    "bias",
+    "rope_base",
+    "backend",
+    "block_size",
+    "document_mask",
+    "compile_blocks",
+    "activation_checkpointing",
+    "full_heads_beyond_trained",
+)
 # Data sources whose tokens are not text: no tokenizer (as in TextDataModule).
 TOKENLESS_SOURCES = ("synthetic", "recall")
 
@@ -256,9 +282,34 @@ def plain_key(key: str) -> str:
     return key.replace(COMPILED_PREFIX, "")
 
 
+def upgrade_hyperparameters(hparams: Mapping) -> dict:
+    """The module's hyperparameters ``hparams`` of any layout in today's (``HPARAMS_FORMAT``): format 1's flat GPT
+    settings moved into ``gpt``. A layout newer than this code knows is a ``ConfigError``."""
+    hparams = dict(hparams)
+    version = hparams.pop(HPARAMS_FORMAT_ENTRY, 1)
+    if version == 1:
+        gpt = {k: hparams.pop(k) for k in _FLAT_GPT_SETTINGS if k in hparams}
+        hparams = {"gpt": gpt, **hparams}
+    elif version != HPARAMS_FORMAT:
+        raise ConfigError(
+            f"the checkpoint's hyperparameters have layout {version!r}, this aah reads up to {HPARAMS_FORMAT}: it was "
+            f"written by a newer aah"
+        )
+    hparams[HPARAMS_FORMAT_ENTRY] = HPARAMS_FORMAT
+    return hparams
+
+
 def hyperparameters(checkpoint: Mapping) -> dict:
-    """The module's hyperparameters (the ``model.*`` settings), without Lightning's private ``_`` entries."""
-    return {k: v for k, v in (checkpoint.get(HYPER_PARAMETERS_KEY) or {}).items() if not k.startswith("_")}
+    """The module's hyperparameters (the ``model.*`` settings: ``gpt``, ``aah``, ``optim``) in today's layout, whatever
+    layout the checkpoint holds, without the private ``_`` entries (the layout's version, Lightning's
+    ``_instantiator``): ``AAHModule(**hyperparameters(checkpoint))`` is the checkpoint's module."""
+    hparams = upgrade_hyperparameters(checkpoint.get(HYPER_PARAMETERS_KEY) or {})
+    return {k: v for k, v in hparams.items() if not k.startswith("_")}
+
+
+def gpt_settings(checkpoint: Mapping) -> dict:
+    """The GPT's settings (``model.gpt.*``) of a checkpoint of any layout; empty when it has none."""
+    return dict(hyperparameters(checkpoint).get("gpt") or {})
 
 
 def data_settings(checkpoint: Mapping) -> dict:
@@ -282,12 +333,12 @@ def window_table(checkpoint: Mapping) -> torch.Tensor:
 
 def check_matches(checkpoint: Mapping, module, path: str = "checkpoint") -> None:
     """The checkpoint holds weights of exactly ``module``'s shapes; otherwise one line saying which setting differs."""
-    theirs = checkpoint.get(HYPER_PARAMETERS_KEY) or {}
-    ours = dict(getattr(module, "hparams", {}))
-    diffs = [k for k in SHAPE_SETTINGS if k in theirs and k in ours and theirs[k] != ours[k]]
+    theirs = gpt_settings(checkpoint)
+    ours = asdict(module.gpt_config)
+    diffs = [k for k in WEIGHT_SHAPE_SETTINGS if k in theirs and theirs[k] != ours[k]]
     if diffs:
-        got = ", ".join(f"model.{k}={theirs[k]!r}" for k in diffs)
-        want = ", ".join(f"model.{k}={ours[k]!r}" for k in diffs)
+        got = ", ".join(f"model.gpt.{k}={theirs[k]!r}" for k in diffs)
+        want = ", ".join(f"model.gpt.{k}={ours[k]!r}" for k in diffs)
         hint = " (the vocabulary follows data.tokenizer / data.source)" if "vocab_size" in diffs else ""
         raise ConfigError(
             f"ckpt_path={path!r} holds a model with {got}, but this run builds {want}{hint}: use the settings the "
@@ -323,7 +374,7 @@ def build_model(checkpoint: Mapping, path="checkpoint", setting: str = "checkpoi
             f"{where} is not a checkpoint written by aah fit (no {HYPER_PARAMETERS_KEY}/{STATE_DICT_KEY})"
         )
     try:
-        model = GPT(GPTConfig.from_settings(hyperparameters(checkpoint)))
+        model = GPT(GPTConfig(**gpt_settings(checkpoint)))
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} does not describe an aah GPT ({e})") from e
     prefix = WINDOWS_STATE_KEY[: -len("windows")]  # "model.": the LightningModule's GPT
@@ -345,7 +396,7 @@ def checkpoint_tokenizer(checkpoint: Mapping, tokenizer: str | None = None, sett
         return None
     spec = tokenizer or data.get("tokenizer", "byte")
     tok = load_tokenizer(spec, setting if tokenizer else "data.tokenizer")
-    vocab = hyperparameters(checkpoint).get("vocab_size")
+    vocab = gpt_settings(checkpoint).get("vocab_size")
     if vocab is not None and tok.vocab_size > vocab:
         raise ConfigError(
             f"tokenizer {spec!r} has {tok.vocab_size} ids, the checkpoint's model {vocab}: use the tokenizer the "

@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 import traceback
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -40,6 +41,7 @@ from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 
 def _vocab_of(datamodule) -> int:
@@ -61,11 +63,25 @@ def choice_error(message: str) -> Optional[str]:
     return f"{setting}={found.group(2).strip()!r} is not allowed: one of {allowed}"
 
 
+_UNKNOWN_MODEL_SETTING = re.compile(r"(?:unrecognized arguments:.*?--|does not accept option ')model\.(\w+)\b")
+
+
+def moved_setting(message: str) -> Optional[str]:
+    """jsonargparse's report of an unknown ``model.<name>`` that is one of the GPT's settings (a command line or
+    config of the time before ``model.gpt``) as one line saying where it is now; None for any other parse error."""
+    found = _UNKNOWN_MODEL_SETTING.search(message)
+    if found is None or found.group(1) not in {f.name for f in fields(GPTConfig)}:
+        return None
+    name = found.group(1)
+    return f"model.{name} is now model.gpt.{name}: the GPT's settings are under model.gpt (aah fit --help)"
+
+
 class _ArgumentParser(LightningArgumentParser):
-    """Lightning's parser; a value outside a setting's choices is one error line, like every other bad setting."""
+    """Lightning's parser; a value outside a setting's choices, or a GPT setting given where it was before model.gpt,
+    is one error line, like every other bad setting."""
 
     def error(self, message: str, ex: Optional[Exception] = None):
-        line = choice_error(message)
+        line = choice_error(message) or moved_setting(message)
         if line is None or not self.exit_on_error:
             return super().error(message, ex)
         print(f"aah: error: {line}", file=sys.stderr)
@@ -79,8 +95,8 @@ class AAHCLI(LightningCLI):
         return parser
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.seq_len", "model.seq_len")
-        parser.link_arguments("data", "model.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
+        parser.link_arguments("data.seq_len", "model.gpt.seq_len")
+        parser.link_arguments("data", "model.gpt.vocab_size", compute_fn=_vocab_of, apply_on="instantiate")
         # Two checkpoints in one folder: last.ckpt every N steps (what --ckpt_path last resumes) and the best model by
         # validation loss. Both are written through AtomicCheckpointIO (see instantiate_trainer).
         parser.add_lightning_class_args(LastCheckpoint, "checkpoint")

@@ -5,6 +5,7 @@ docs/architecture.md agree; no other module of the package or tool spells a key 
 from __future__ import annotations
 
 import ast
+import json
 import pickle
 import shutil
 import struct
@@ -21,6 +22,7 @@ from aah_lightning import checkpoint as ck
 from aah_lightning.cli import main as aah
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "aah_lightning" / "checkpoint.py"
@@ -129,7 +131,7 @@ def test_load_model_of_a_text_checkpoint_and_its_refusals(tmp_path):
     import lightning as L
 
     torch.manual_seed(0)
-    module = AAHModule(n_layer=2, n_head=2, n_embd=16, seq_len=16, vocab_size=257)
+    module = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=16, vocab_size=257))
     module.model.set_windows([[3, 16], [16, 5]])
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=0)
     trainer.strategy.connect(module)
@@ -141,7 +143,7 @@ def test_load_model_of_a_text_checkpoint_and_its_refusals(tmp_path):
         assert torch.equal(model(ids), module.model.eval()(ids))
 
     checkpoint = torch.load(tmp_path / "hand.ckpt", weights_only=True)
-    checkpoint[ck.HYPER_PARAMETERS_KEY]["n_embd"] = 32
+    checkpoint[ck.HYPER_PARAMETERS_KEY]["gpt"]["n_embd"] = 32
     torch.save(checkpoint, tmp_path / "wider.ckpt")
     with pytest.raises(ConfigError, match="its weights do not match its hyperparameters"):
         aah_lightning.load_model(tmp_path / "wider.ckpt")
@@ -201,3 +203,102 @@ def test_the_package_exports_its_public_names_lazily():
     for name in aah_lightning.__all__:
         assert getattr(aah_lightning, name) is not None
     assert aah_lightning.read_checkpoint is ck.read_checkpoint and aah_lightning.load_model is ck.load_model
+
+
+# -- a checkpoint of an earlier layout ---------------------------------------------------------------------------------
+# ``aah fit`` at commit a3ccbc1, before the GPT's settings became one dataclass (model.gpt): its hyperparameters hold
+# them flat (n_layer, ..., aah, optim). 4 steps of a 2 x 2-head, d = 8 model on the synthetic task (62 KB):
+#   aah fit --trainer.max_steps=4 --trainer.val_check_interval=2 --trainer.limit_val_batches=1 --trainer.logger=false
+#     --trainer.accelerator=cpu --trainer.devices=1 --checkpoint.every_n_train_steps=2 --best_checkpoint.save_top_k=0
+#     --model.n_layer=2 --model.n_head=2 --model.n_embd=8 --model.rope_base=500.0 --model.mlp_ratio=2.0
+#     --model.aah.policy=random --model.aah.candidates=[4,8,16] --model.aah.seed=3 --model.optim.warmup_steps=1
+#     --data.source=synthetic --data.seq_len=16 --data.batch_size=2 --data.synthetic_documents=40
+#     --data.synthetic_vocab=12
+FORMAT_1 = Path(__file__).parent / "checkpoint_format1.ckpt"
+FORMAT_1_TABLE = [[8, 16], [8, 4]]
+# The settings it was trained with, as a command line of today.
+FORMAT_1_SETTINGS = [
+    "--model.gpt.n_layer=2",
+    "--model.gpt.n_head=2",
+    "--model.gpt.n_embd=8",
+    "--model.gpt.rope_base=500.0",
+    "--model.gpt.mlp_ratio=2.0",
+    "--model.aah.policy=random",
+    "--model.aah.candidates=[4,8,16]",
+    "--model.aah.seed=3",
+    "--model.optim.warmup_steps=1",
+    "--data.source=synthetic",
+    "--data.seq_len=16",
+    "--data.batch_size=2",
+    "--data.synthetic_documents=40",
+    "--data.synthetic_vocab=12",
+]
+
+
+def _run_args(tmp_path, subcommand: str, *extra: str) -> list[str]:
+    return [
+        subcommand,
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}/root",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--checkpoint.every_n_train_steps=2",
+        *FORMAT_1_SETTINGS,
+        *extra,
+    ]
+
+
+def test_hyperparameters_of_every_layout_read_as_todays():
+    flat = {"n_layer": 2, "seq_len": 16, "_instantiator": "x", "aah": {"policy": "full"}, "optim": {"lr": 0.1}}
+    today = {"gpt": {"n_layer": 2, "seq_len": 16}, "aah": {"policy": "full"}, "optim": {"lr": 0.1}}
+    assert ck.hyperparameters({ck.HYPER_PARAMETERS_KEY: flat}) == today
+    saved = {**today, ck.HPARAMS_FORMAT_ENTRY: ck.HPARAMS_FORMAT}
+    assert ck.upgrade_hyperparameters(saved) == saved and ck.hyperparameters({ck.HYPER_PARAMETERS_KEY: saved}) == today
+    assert ck.gpt_settings({ck.HYPER_PARAMETERS_KEY: flat}) == {"n_layer": 2, "seq_len": 16}
+    with pytest.raises(ConfigError, match="written by a newer aah"):
+        ck.upgrade_hyperparameters({**today, ck.HPARAMS_FORMAT_ENTRY: ck.HPARAMS_FORMAT + 1})
+
+
+def test_a_checkpoint_of_the_flat_layout_loads():
+    model, tokenizer = aah_lightning.load_model(FORMAT_1)
+    assert tokenizer is None and model.windows.tolist() == FORMAT_1_TABLE
+    cfg = model.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len, cfg.vocab_size) == (2, 2, 8, 16, 13)
+    assert (cfg.rope_base, cfg.mlp_ratio) == (500.0, 2.0)
+    module = AAHModule.load_from_checkpoint(FORMAT_1)
+    assert module.gpt_config == cfg and module.aah_config.candidates == [4, 8, 16]
+    assert module.optim_config.warmup_steps == 1
+    ids = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), module.eval().model(ids))
+
+
+def test_a_checkpoint_of_the_flat_layout_resumes_and_validates(tmp_path, capsys):
+    recorder = f"--trainer.callbacks+=helpers.resume.Recorder --trainer.callbacks.folder={tmp_path}/steps".split()
+    aah(_run_args(tmp_path, "fit", f"--ckpt_path={FORMAT_1}", "--trainer.max_steps=6", *recorder))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "steps" / "rank0.jsonl").read_text().splitlines()]
+    assert steps == [5, 6]  # the two optimizer steps after the checkpoint's 4 (counted once done)
+    resumed = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert resumed[ck.GLOBAL_STEP_KEY] == 6
+    assert ck.window_table(resumed).tolist() == FORMAT_1_TABLE  # random windows: drawn once, restored
+    # saved in today's layout, with the settings the checkpoint had
+    assert resumed[ck.HYPER_PARAMETERS_KEY][ck.HPARAMS_FORMAT_ENTRY] == ck.HPARAMS_FORMAT
+    assert ck.hyperparameters(resumed) == ck.hyperparameters(ck.read_checkpoint(FORMAT_1))
+    aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}"))
+    with pytest.raises(SystemExit) as exc:  # a checkpoint of another shape: the setting named, in one line
+        aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}", "--model.gpt.n_embd=16"))
+    assert exc.value.code == 2
+    assert "holds a model with model.gpt.n_embd=8, but this run builds model.gpt.n_embd=16" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_the_flat_layout_exports(tmp_path):
+    pytest.importorskip("transformers")
+    from aah_lightning.export.exporter import export
+
+    export(str(FORMAT_1), str(tmp_path / "export"))
+    config = (tmp_path / "export" / "config.json").read_text()
+    assert '"num_hidden_layers": 2' in config and '"rope_base": 500.0' in config

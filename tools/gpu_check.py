@@ -42,7 +42,7 @@ from aah_lightning.model.attention.reference import max_error, parity_limit, ref
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
-# Every plan (model.backend) but the dense reference, checked against the float64 reference; one that cannot run
+# Every plan (model.gpt.backend) but the dense reference, checked against the float64 reference; one that cannot run
 # here says why.
 PARITY_PLANS = tuple(name for name in backend_names() if name not in ("auto", "sdpa"))
 ROWS: list[tuple[str, str, str, bool]] = []  # (check, measured, limit, passed)
@@ -207,14 +207,16 @@ def compiled_training(args, activation_checkpointing: bool, warmup: int, steps: 
     data = TextDataModule(source="synthetic", seq_len=T, batch_size=B, synthetic_documents=4 * B, seed=0)
     cands = [T // 8, T // 4, T // 2, T - 1]  # all below T: every layer stays on the masked (flex) path
     model = AAHModule(
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        seq_len=T,
-        vocab_size=data.vocab_size,
-        backend="flex" if cuda else "sdpa",
-        compile_blocks=True,
-        activation_checkpointing=activation_checkpointing,
+        gpt=GPTConfig(
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+            seq_len=T,
+            vocab_size=data.vocab_size,
+            backend="flex" if cuda else "sdpa",
+            compile_blocks=True,
+            activation_checkpointing=activation_checkpointing,
+        ),
         aah=AAHConfig(policy="random", candidates=cands, redraw_interval=1, seed=0),
         optim=OptimConfig(lr=1e-3, warmup_steps=2),
     )

@@ -85,7 +85,7 @@ def validate_command(
 ) -> list[str]:
     """``aah validate`` of the run's last checkpoint at ``seq_len`` tokens, logged to ``<run>/eval/seq<seq_len>``;
     with ``trained_span`` the heads that saw the whole trained context keep that length as a sliding window
-    (``model.full_heads_beyond_trained``), logged to ``<run>/eval/seq<seq_len>_span``."""
+    (``model.gpt.full_heads_beyond_trained``), logged to ``<run>/eval/seq<seq_len>_span``."""
     rd = run_dir(out, row_name(row_path), seed)
     name = f"seq{seq_len}_span" if trained_span else f"seq{seq_len}"
     return [
@@ -107,7 +107,7 @@ def validate_command(
         *extra,
         f"--data.seq_len={seq_len}",
         f"--ckpt_path={os.path.join(checkpoint_dir(rd), 'last.ckpt')}",
-        *(["--model.full_heads_beyond_trained=trained_span"] if trained_span else []),
+        *(["--model.gpt.full_heads_beyond_trained=trained_span"] if trained_span else []),
     ]
 
 

@@ -377,7 +377,7 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
 
 def end_to_end(run: Run, args, device, dtype, T: int, B: int, compiled: bool = False) -> None:
     """Training-step tokens/s, full causal against the AAH mix; ``compiled``: every block compiled as
-    ``model.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex plans only."""
+    ``model.gpt.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex plans only."""
     variants = {"full causal": (False, "auto")}
     if device.type == "cuda":
         names = ("flex", "flex_tuned") if compiled else ("flex", "split", "varlen")

@@ -156,10 +156,10 @@ def window_summary(ckpt_path: str) -> tuple[dict[str, float], dict[str, list]]:
     """From a run's last checkpoint: ``nonuniform_share`` (share of its steps at which some layer's heads held
     different windows), ``final_distinct_max`` (most different windows within one layer of the final table), and the
     final table and each head's ACR averaged over the run (for tables.json)."""
-    from aah_lightning.checkpoint import WINDOW_USAGE_KEY, hyperparameters, read_checkpoint, window_table
+    from aah_lightning.checkpoint import WINDOW_USAGE_KEY, gpt_settings, read_checkpoint, window_table
 
     ckpt = read_checkpoint(ckpt_path, setting="the run's last checkpoint")
-    seq_len = hyperparameters(ckpt)["seq_len"]
+    seq_len = gpt_settings(ckpt)["seq_len"]
     table = window_table(ckpt).clamp(max=seq_len)
     usage = ckpt.get(WINDOW_USAGE_KEY) or {}
     steps = int(usage.get("steps", 0))

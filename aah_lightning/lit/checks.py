@@ -18,8 +18,8 @@ def check_run(module, datamodule, device: torch.device, stage: str) -> None:
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         tokenizer = getattr(datamodule, "hparams", {}).get("tokenizer")
         raise ConfigError(
-            f"data.tokenizer={tokenizer!r} produces ids up to {data_vocab - 1}, but model.vocab_size={model_vocab}: "
-            f"the model needs at least {data_vocab} embeddings (leave model.vocab_size linked to the data, or use the "
+            f"data.tokenizer={tokenizer!r} produces ids up to {data_vocab - 1}, but model.gpt.vocab_size={model_vocab}: "
+            f"the model needs at least {data_vocab} embeddings (leave model.gpt.vocab_size linked to the data, or use the "
             f"tokenizer the model was built for)"
         )
     try:

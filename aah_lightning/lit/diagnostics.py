@@ -312,6 +312,6 @@ class WindowDiagnostics(L.Callback):
         return {"amc_generator": self.amc.generator.get_state(), "last_step": self._last_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "amc_generator" in state_dict:  # checkpoints written before it was saved: the sample restarts from the seed
+        if "amc_generator" in state_dict:  # optional: without it the sample restarts from the seed
             self.amc.generator.set_state(state_dict["amc_generator"])
             self._last_step = state_dict["last_step"]

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from aah_lightning.checkpoint import HYPER_PARAMETERS_KEY, STATE_DICT_KEY, WINDOWS_STATE_KEY, plain_key
+from aah_lightning.checkpoint import STATE_DICT_KEY, WINDOWS_STATE_KEY, gpt_settings, plain_key
 
 FIRST_EDGE = 64  # the first bucket is [0, 64); then one bucket per octave
 _SLOTS = 32  # buckets up to position 64 * 2**30: more than any sequence
@@ -124,7 +124,7 @@ class BitsPerByte(Metric):
 def widen_full_windows(checkpoint: dict, seq_len: int) -> None:
     """In ``checkpoint`` (loaded for a model of sequence length ``seq_len``), give every head that saw the whole
     trained context the whole context at ``seq_len`` too, if that is longer."""
-    trained = (checkpoint.get(HYPER_PARAMETERS_KEY) or {}).get("seq_len")
+    trained = gpt_settings(checkpoint).get("seq_len")
     state = checkpoint.get(STATE_DICT_KEY)
     if not trained or seq_len <= trained or state is None:
         return

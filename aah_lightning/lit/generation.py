@@ -160,7 +160,7 @@ class ValidationSample(L.Callback):
                 rank_zero_warn("val/sample is not logged under FSDP2 (sharded weights); sample.enabled=false hides it")
                 self._skipped = True
             return
-        ids, _ = encode_prompt(self.prompt, tokenizer, pl_module.hparams.seq_len)
+        ids, _ = encode_prompt(self.prompt, tokenizer, pl_module.gpt_config.seq_len)
         completion = generate(model, [ids], self.settings, tokenizer.eos_id)[0]
         text = self.prompt + tokenizer.decode(completion.tokens)
         for sink in media:

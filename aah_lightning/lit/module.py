@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import lightning as L
 import torch
@@ -15,19 +18,25 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from aah_lightning.checkpoint import (
+    HPARAMS_FORMAT,
+    HPARAMS_FORMAT_ENTRY,
+    HYPER_PARAMETERS_KEY,
     POLICY_KEY,
     RNG_KEY,
     STATE_DICT_KEY,
     WINDOW_USAGE_KEY,
     check_matches,
     hyperparameters,
+    is_remote,
+    read_checkpoint,
+    upgrade_hyperparameters,
 )
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
-from aah_lightning.model.config import Backend, GPTConfig
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
 from aah_lightning.windows.config import AAHConfig
@@ -124,62 +133,36 @@ def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
+# The GPT settings' defaults (frozen, so one instance serves every module).
+DEFAULT_GPT = GPTConfig()
+
+
 class AAHModule(L.LightningModule):
     def __init__(
         self,
-        n_layer: int = 4,
-        n_head: int = 4,
-        n_embd: int = 128,
-        seq_len: int = 256,
-        vocab_size: int = 257,
-        mlp_ratio: float = 4.0,
-        bias: bool = False,
-        rope_base: float = 10000.0,
-        backend: Backend = "auto",
-        block_size: int = 128,
-        document_mask: bool = False,
-        compile_blocks: bool = False,
-        activation_checkpointing: bool = False,
-        full_heads_beyond_trained: Literal["whole_context", "trained_span"] = "whole_context",
+        gpt: GPTConfig = DEFAULT_GPT,
         aah: Optional[AAHConfig] = None,
         optim: Optional[OptimConfig] = None,
     ):
         """
         Args:
-            n_layer: transformer blocks.
-            n_head: attention heads per block (each has its own window).
-            n_embd: model width (n_embd / n_head must be even for RoPE).
-            seq_len: training sequence length T (linked from data.seq_len).
-            vocab_size: vocabulary size (linked from the data module's tokenizer).
-            mlp_ratio: MLP hidden width / n_embd.
-            bias: biases in linear layers and norms.
-            rope_base: RoPE frequency base.
-            backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU) or a registered one
-                (flex, flex_tuned, flex_fa4, split, varlen, banded, sdpa; docs/architecture.md).
-            block_size: FlexAttention BlockMask tile size.
-            document_mask: queries attend only within their own document.
-            compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.
-            activation_checkpointing: recompute each block's activations in the backward pass (less memory).
-            full_heads_beyond_trained: a checkpoint run at a longer sequence than it was trained on: heads whose
-                window was the whole trained context see the whole new context (whole_context) or keep the trained
-                length as a sliding window (trained_span: no head sees a distance it never saw in training).
+            gpt: the GPT's shape and how it runs (seq_len and vocab_size follow data.seq_len and the tokenizer).
             aah: the window policy and its settings.
             optim: optimiser and schedule.
         """
         super().__init__()
-        aah = aah or AAHConfig()
-        optim = optim or OptimConfig()
-        if isinstance(aah, dict):
-            aah = AAHConfig(**aah)
-        if isinstance(optim, dict):
-            optim = OptimConfig(**optim)
-        # The arguments as flat hyperparameters (the model.* keys), the settings dataclasses as plain dicts: checkpoints
-        # load with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["aah", "optim"])
-        self.hparams.update(aah=asdict(aah), optim=asdict(optim))
-        self.gpt_config = GPTConfig.from_settings(self.hparams)
+        # Plain dicts too: what a checkpoint's hyperparameters hold (AAHModule(**checkpoint.hyperparameters(ckpt))).
+        gpt = GPTConfig(**gpt) if isinstance(gpt, Mapping) else gpt or DEFAULT_GPT
+        aah = AAHConfig(**aah) if isinstance(aah, Mapping) else aah or AAHConfig()
+        optim = OptimConfig(**optim) if isinstance(optim, Mapping) else optim or OptimConfig()
+        # The settings dataclasses as plain dicts (checkpoints load with torch.load(weights_only=True)), with the
+        # version of this layout (checkpoint.HPARAMS_FORMAT_ENTRY).
+        self.save_hyperparameters(
+            {"gpt": asdict(gpt), "aah": asdict(aah), "optim": asdict(optim), HPARAMS_FORMAT_ENTRY: HPARAMS_FORMAT}
+        )
         optim.validate()
-        self.aah_config, self.optim_config = aah, optim
+        self.gpt_config, self.aah_config, self.optim_config = gpt, aah, optim
+        n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
         self.model = GPT(self.gpt_config)
         self.model.set_windows(self.policy.initial_table())
@@ -197,18 +180,35 @@ class AAHModule(L.LightningModule):
 
     @classmethod
     def from_checkpoint(cls, checkpoint: dict) -> AAHModule:
-        """The module of a loaded checkpoint: built from its hyperparameters (without Lightning's own private keys
-        such as ``_instantiator``), then given its weights and window table."""
+        """The module of a loaded checkpoint (of any hyperparameter layout): built from its hyperparameters, then given
+        its weights and window table."""
         module = cls(**hyperparameters(checkpoint))
         module.load_state_dict(checkpoint[STATE_DICT_KEY])
         return module
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
+        """Lightning's ``load_from_checkpoint``, for a checkpoint of any hyperparameter layout. A local file is first
+        read as every checkpoint is (``checkpoint.read_checkpoint``: verified, tensors memory-mapped); one of an
+        earlier layout reaches Lightning converted (``checkpoint.upgrade_hyperparameters``), from memory."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and not is_remote(checkpoint_path):
+            checkpoint = read_checkpoint(
+                checkpoint_path, weights_only=kwargs.get("weights_only") is not False, mmap=True
+            )
+            saved = checkpoint.get(HYPER_PARAMETERS_KEY)
+            if saved is not None and saved.get(HPARAMS_FORMAT_ENTRY) != HPARAMS_FORMAT:
+                checkpoint[HYPER_PARAMETERS_KEY] = upgrade_hyperparameters(saved)
+                checkpoint_path = io.BytesIO()
+                torch.save(checkpoint, checkpoint_path)
+                checkpoint_path.seek(0)
+        return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
 
     def configure_model(self) -> None:
         # Lightning calls this for every fit/validate/test in a process; the model must be prepared only once.
         if self._prepared:
             return
-        hp = self.hparams
-        distributed.prepare_model(self, hp.compile_blocks, hp.activation_checkpointing)
+        cfg = self.gpt_config
+        distributed.prepare_model(self, cfg.compile_blocks, cfg.activation_checkpointing)
         self._prepared = True
 
     # -- forward / loss ----------------------------------------------------------------------------------------------
@@ -369,8 +369,8 @@ class AAHModule(L.LightningModule):
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
         check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
-        if self.hparams.get("full_heads_beyond_trained", "whole_context") == "whole_context":
-            widen_full_windows(checkpoint, self.hparams.seq_len)  # evaluated at a longer T: full heads stay full
+        if self.gpt_config.full_heads_beyond_trained == "whole_context":
+            widen_full_windows(checkpoint, self.gpt_config.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get(POLICY_KEY, {}))
         self.window_usage.load_state_dict(checkpoint.get(WINDOW_USAGE_KEY))
         states = checkpoint.get(RNG_KEY)

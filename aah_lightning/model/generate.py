@@ -17,7 +17,7 @@ contract: model/attention/registry.py); the block is written once.
   rings and attends each head over its own slots only. Slot ``s`` is filled once the row has reached position
   ``s``; every filled slot lies within the head's window because ``S <= W``.
 
-Both plans are ``eager``: under ``model.compile_blocks`` the blocks run uncompiled for generation, as the cache's
+Both plans are ``eager``: under ``model.gpt.compile_blocks`` the blocks run uncompiled for generation, as the cache's
 Python state changes at every call.
 
 Past the trained ``seq_len`` nothing changes: windowed heads keep sliding, and full-window heads (``W = seq_len``)

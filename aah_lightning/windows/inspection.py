@@ -34,14 +34,14 @@ def load(path) -> dict:
     except ConfigError as e:
         raise InspectError(str(e)) from None
     hp = hyperparameters(ckpt)
-    aah = hp.get("aah") or {}
+    aah, gpt = hp.get("aah") or {}, hp.get("gpt") or {}
     return {
         "table": table,
-        "seq_len": hp.get("seq_len"),
-        "block_size": hp.get("block_size", 128),
+        "seq_len": gpt.get("seq_len"),
+        "block_size": gpt.get("block_size", 128),
         "policy": aah.get("policy", "?"),
         "candidates": aah.get("candidates"),
-        "report": policy_report(aah, ckpt.get(POLICY_KEY) or {}, hp.get("seq_len")),
+        "report": policy_report(aah, ckpt.get(POLICY_KEY) or {}, gpt.get("seq_len")),
         "step": ckpt.get(GLOBAL_STEP_KEY),
     }
 

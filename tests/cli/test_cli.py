@@ -66,6 +66,7 @@ def test_print_config_shows_linked_settings():
         check=True,
     ).stdout
     assert "policy: random" in out and "seq_len: 256" in out and "source: stdlib" in out
+    assert "model:\n  gpt:\n    n_layer: 4\n" in out  # the GPT's settings, one group
 
 
 def test_validation_interval_longer_than_the_run_validates_at_the_end(tmp_path, tiny_args):

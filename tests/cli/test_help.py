@@ -26,7 +26,7 @@ def test_help_lists_the_choices(capsys):
     text = _help(capsys, "--help")
     from aah_lightning.model.attention import backend_names
 
-    assert "--model.backend {" + ",".join(backend_names()) + "}" in text
+    assert "--model.gpt.backend {" + ",".join(backend_names()) + "}" in text
     assert {"auto", "flex", "sdpa", "banded", "split"} <= set(backend_names())
     assert "--data.source {stdlib,files,tokens,hub,synthetic,recall}" in text
     aah = _help(capsys, "--model.aah.help", "AAHConfig")

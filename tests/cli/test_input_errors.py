@@ -19,6 +19,7 @@ from aah_lightning import validation
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 from helpers.cli import cli_error, run_tool, tiny_config, train_tiny
 
 
@@ -37,6 +38,16 @@ def text_file(tmp_path, name="corpus.txt", text=None) -> str:
 
 
 # -- model shape and window settings ---------------------------------------------------------------------------------
+def test_a_gpt_setting_where_it_was_before_model_gpt_says_where_it_is_now(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--model.n_layer=3")
+    assert (
+        line
+        == "aah: error: model.n_layer is now model.gpt.n_layer: the GPT's settings are under model.gpt (aah fit --help)"
+    )
+    line = refuse(tmp_path / "yaml", capsys, model={"backend": "sdpa"})  # in a config file
+    assert "model.backend is now model.gpt.backend" in line
+
+
 def test_candidate_window_zero(tmp_path, capsys):
     line = refuse(tmp_path, capsys, "--model.aah.candidates", "[0, 16]")
     assert "model.aah.candidates" in line and "[1, seq_len=32]" in line
@@ -53,13 +64,13 @@ def test_static_table_wrong_shape(tmp_path, capsys):
 
 
 def test_n_embd_not_divisible_by_n_head(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--model.n_head", "3")
-    assert "model.n_embd=32" in line and "model.n_head=3" in line
+    line = refuse(tmp_path, capsys, "--model.gpt.n_head", "3")
+    assert "model.gpt.n_embd=32" in line and "model.gpt.n_head=3" in line
 
 
 def test_head_size_rope_cannot_use(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--model.n_embd", "30")  # 2 heads of 15 channels: RoPE needs pairs
-    assert "RoPE" in line and "model.n_embd=30" in line
+    line = refuse(tmp_path, capsys, "--model.gpt.n_embd", "30")  # 2 heads of 15 channels: RoPE needs pairs
+    assert "RoPE" in line and "model.gpt.n_embd=30" in line
 
 
 def test_unknown_policy(tmp_path, capsys):
@@ -68,13 +79,13 @@ def test_unknown_policy(tmp_path, capsys):
 
 
 def test_unknown_backend(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--model.backend", "cuda_magic")
-    assert "model.backend='cuda_magic'" in line and "sdpa" in line
+    line = refuse(tmp_path, capsys, "--model.gpt.backend", "cuda_magic")
+    assert "model.gpt.backend='cuda_magic'" in line and "sdpa" in line
 
 
 def test_flex_cannot_train_on_cpu_says_what_works(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--model.backend", "flex")
-    assert "model.backend=flex" in line and "auto" in line and "sdpa" in line
+    line = refuse(tmp_path, capsys, "--model.gpt.backend", "flex")
+    assert "model.gpt.backend=flex" in line and "auto" in line and "sdpa" in line
 
 
 def test_seq_len_not_positive(tmp_path, capsys):
@@ -124,15 +135,17 @@ def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
 
 
 def test_tokenizer_larger_than_model_vocabulary(tmp_path):
-    # The CLI links model.vocab_size to the tokenizer; code that builds the pieces itself gets the same check.
-    model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=100)
+    # The CLI links model.gpt.vocab_size to the tokenizer; code that builds the pieces itself gets the same check.
+    model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=100))
     data = TextDataModule(
         source="files", paths=[text_file(tmp_path)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "hf")
     )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    with pytest.raises(ConfigError, match=r"data.tokenizer='byte' produces ids up to 256, but model.vocab_size=100"):
+    with pytest.raises(
+        ConfigError, match=r"data.tokenizer='byte' produces ids up to 256, but model.gpt.vocab_size=100"
+    ):
         trainer.fit(model, datamodule=data)
     assert trainer.global_step == 0
 
@@ -179,13 +192,13 @@ def test_corrupt_checkpoint(tmp_path, capsys, good_ckpt):
 
 
 def test_checkpoint_of_another_head_count(tmp_path, capsys, good_ckpt):
-    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.n_head", "4")
-    assert "model.n_head=2" in line and "model.n_head=4" in line
+    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.gpt.n_head", "4")
+    assert "model.gpt.n_head=2" in line and "model.gpt.n_head=4" in line
 
 
 def test_checkpoint_of_another_shape(tmp_path, capsys, good_ckpt):
-    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.n_layer", "3", "--model.n_embd", "64")
-    assert "model.n_layer=2" in line and "model.n_embd=32" in line and "model.n_layer=3" in line
+    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.gpt.n_layer", "3", "--model.gpt.n_embd", "64")
+    assert "model.gpt.n_layer=2" in line and "model.gpt.n_embd=32" in line and "model.gpt.n_layer=3" in line
 
 
 def test_checkpoint_trained_with_another_tokenizer(tmp_path, capsys, good_ckpt):
@@ -193,22 +206,22 @@ def test_checkpoint_trained_with_another_tokenizer(tmp_path, capsys, good_ckpt):
     line = refuse(
         tmp_path, capsys, "--ckpt_path", good_ckpt, "--data.source", "files", "--data.paths", f"[{text_file(tmp_path)}]"
     )
-    assert "model.vocab_size=65" in line and "data.tokenizer" in line
+    assert "model.gpt.vocab_size=65" in line and "data.tokenizer" in line
 
 
 def test_validate_checks_the_checkpoint_too(tmp_path, capsys, good_ckpt):
-    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.n_head", "4", subcommand="validate")
-    assert "model.n_head=4" in line
+    line = refuse(tmp_path, capsys, "--ckpt_path", good_ckpt, "--model.gpt.n_head", "4", subcommand="validate")
+    assert "model.gpt.n_head=4" in line
 
 
 def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
     # Trainer.fit(ckpt_path=...) directly: AAHModule.on_load_checkpoint reports the setting before load_state_dict.
-    model = AAHModule(n_layer=2, n_head=4, n_embd=32, seq_len=32, vocab_size=65)
+    model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=32, vocab_size=65))
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    with pytest.raises(ConfigError, match=r"model.n_head=2, but this run builds model.n_head=4"):
+    with pytest.raises(ConfigError, match=r"model.gpt.n_head=2, but this run builds model.gpt.n_head=4"):
         trainer.fit(model, datamodule=data, ckpt_path=good_ckpt)
     assert trainer.global_step == 0
 

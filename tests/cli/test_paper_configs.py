@@ -54,7 +54,7 @@ def rows(folder):
 
 def build(folder, row, tmp_path):
     """The CLI's parse of base + row, with its classes built (paper scale: 24 channels instead of 1536, on CPU)."""
-    small = ["--model.n_embd=24", "--trainer.accelerator=cpu", "--trainer.precision=32-true"]
+    small = ["--model.gpt.n_embd=24", "--trainer.accelerator=cpu", "--trainer.precision=32-true"]
     args = [
         "--config",
         f"{folder}/base.yaml",
@@ -81,7 +81,8 @@ def test_the_scales():
     with open("configs/cpu/base.yaml") as f:
         cpu = yaml.safe_load(f)
     m, ctl = paper["model"], paper["model"]["aah"]["controller"]
-    assert (m["n_layer"], m["n_head"], m["n_embd"], paper["data"]["seq_len"]) == (16, 12, 1536, 4096)
+    gpt = m["gpt"]
+    assert (gpt["n_layer"], gpt["n_head"], gpt["n_embd"], paper["data"]["seq_len"]) == (16, 12, 1536, 4096)
     assert m["aah"]["candidates"] == [512, 1024, 2048, 4096]
     assert (ctl["warmup_steps"], ctl["control_interval"]) == (WARMUP, 5)
     assert paper["trainer"]["precision"] == "bf16-mixed" and paper["trainer"]["accelerator"] == "gpu"
@@ -125,7 +126,7 @@ def test_every_row_builds_and_its_policy_makes_the_table_it_describes(folder, tm
         # runs started by hand (without the suite) don't collide
         assert own["trainer"]["logger"]["init_args"]["name"] == row and row in own["checkpoint"]["dirpath"]
         assert cfg.trainer.logger.init_args.name == row
-        assert table.shape == (base["model"]["n_layer"], base["model"]["n_head"])
+        assert table.shape == (base["model"]["gpt"]["n_layer"], base["model"]["gpt"]["n_head"])
         if row == "baseline":
             assert aah.policy == "full" and (table == seq_len).all()
         elif row == "fixed_w":

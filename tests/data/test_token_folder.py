@@ -143,6 +143,7 @@ def test_test_blocks_are_held_out_and_aah_test_evaluates_them(tmp_path):
     import lightning as L
 
     from aah_lightning.lit.module import AAHModule
+    from aah_lightning.model.config import GPTConfig
 
     dm = TextDataModule(
         source="files",
@@ -159,7 +160,9 @@ def test_test_blocks_are_held_out_and_aah_test_evaluates_them(tmp_path):
     assert n_test > 0 and dm.test_set.first == n_train and dm.val_set.first == n_train + n_test  # disjoint slices
     stream = dm.train_set.stream.tokens[: (n_train + n_test) * 17].reshape(-1, 17)
     assert torch.equal(test, torch.from_numpy(stream[n_train:].astype(np.int64)))  # exactly the test blocks
-    model = AAHModule(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=dm.vocab_size, backend="sdpa")
+    model = AAHModule(
+        gpt=GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=dm.vocab_size, backend="sdpa")
+    )
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     [result] = trainer.test(model, datamodule=dm)
     # bits per byte of exactly the test blocks: their tokens' summed loss over their bytes

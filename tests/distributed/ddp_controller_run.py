@@ -12,6 +12,7 @@ import torch
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 
 
@@ -32,11 +33,7 @@ def main(out_dir: str) -> None:
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic_documents=200, seed=0)
     controller = ControllerConfig(warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2)
     model = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        seq_len=T,
-        vocab_size=dm.vocab_size,
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size),
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], controller=controller),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
     )

@@ -41,7 +41,7 @@ def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_re
     # Also: the attention-mass probe (a no-grad forward on every rank) must work on a sharded model.
     extra = [
         "--trainer.strategy.init_args.data_parallel_size=2",
-        "--model.activation_checkpointing=true",
+        "--model.gpt.activation_checkpointing=true",
         "--diagnostics.amc_every_n_steps=2",
         "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
         f"--trainer.logger.init_args.save_dir={tmp_path}/tb",
@@ -120,8 +120,8 @@ def test_compiled_checkpointed_blocks_train_like_eager_and_window_changes_do_not
         main(
             tiny_args(
                 *policy,
-                f"--model.compile_blocks={mode == 'compiled'}",
-                f"--model.activation_checkpointing={mode == 'compiled'}",
+                f"--model.gpt.compile_blocks={mode == 'compiled'}",
+                f"--model.gpt.activation_checkpointing={mode == 'compiled'}",
                 f"--checkpoint.dirpath={tmp_path}/{mode}",
                 "--trainer.callbacks+=helpers.resume.Recorder",
                 f"--trainer.callbacks.folder={tmp_path}/{mode}",

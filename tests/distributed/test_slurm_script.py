@@ -51,7 +51,7 @@ def test_the_batch_script_builds_the_intended_run(tmp_path, strategy, resumed):
     if resumed:  # a requeued job: the last checkpoint is there (under FSDP2 a folder of shards)
         (tmp_path / "run" / "checkpoints" / "last.ckpt").mkdir(parents=True)
     out = subprocess.run(
-        ["bash", SCRIPT, "--model.n_layer=6"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+        ["bash", SCRIPT, "--model.gpt.n_layer=6"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
@@ -59,7 +59,7 @@ def test_the_batch_script_builds_the_intended_run(tmp_path, strategy, resumed):
     assert trainer["num_nodes"] == 2 and str(trainer["devices"]) == "8"
     assert cfg["ckpt_path"] == ("last" if resumed else None)  # the first run starts fresh, a requeued one resumes
     assert cfg["checkpoint"]["dirpath"] == f"{tmp_path}/run/checkpoints"
-    assert cfg["model"]["n_layer"] == 6  # the script passes extra arguments on
+    assert cfg["model"]["gpt"]["n_layer"] == 6  # the script passes extra arguments on
     if strategy == "ddp":
         assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
         assert trainer["strategy"]["init_args"]["broadcast_buffers"] is False

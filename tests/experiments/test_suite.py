@@ -36,9 +36,10 @@ diagnostics:
   every_n_steps: 2
   amc_every_n_steps: 3
 model:
-  n_layer: 2
-  n_head: 4
-  n_embd: 32
+  gpt:
+    n_layer: 2
+    n_head: 4
+    n_embd: 32
   aah:
     candidates: [4, 8, 16, 32]
     controller: {warmup_steps: 2, control_interval: 2, depth: 2}

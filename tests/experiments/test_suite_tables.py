@@ -100,7 +100,7 @@ def test_dry_run_lists_a_trained_span_validation_per_length(tmp_path, capsys):
     commands = [line for line in capsys.readouterr().out.splitlines() if " validate " in line]
     assert len(commands) == 2
     assert "full_heads_beyond_trained" not in commands[0] and "seq2048" in commands[0]
-    assert "--model.full_heads_beyond_trained=trained_span" in commands[1] and "seq2048_span" in commands[1]
+    assert "--model.gpt.full_heads_beyond_trained=trained_span" in commands[1] and "seq2048_span" in commands[1]
 
 
 def test_versus_uniform_pairs_each_family_with_the_fixed_row_of_its_target():

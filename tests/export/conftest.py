@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 CORPUS = (
     "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n\n    def norm(self):\n"
@@ -39,7 +40,7 @@ def random_window_module(
     """A tiny byte-vocabulary model with a window table drawn per head from 1..seq_len+8 (or ``table``), and weights
     pushed away from their initialisation so that greedy text is varied (ties in argmax would prove nothing)."""
     torch.manual_seed(seed)
-    module = AAHModule(n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=257)
+    module = AAHModule(gpt=GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=257))
     if table is None:
         g = torch.Generator().manual_seed(seed + 1)
         table = torch.randint(1, seq_len + 9, (n_layer, n_head), generator=g, dtype=torch.int32)
@@ -60,7 +61,7 @@ def save_checkpoint(module: AAHModule, path, tokenizer: str = "byte", source: st
             "datamodule_hyper_parameters": {
                 "tokenizer": tokenizer,
                 "source": source,
-                "seq_len": module.hparams.seq_len,
+                "seq_len": module.gpt_config.seq_len,
             },
             "global_step": 7,
         },
@@ -117,9 +118,9 @@ def fitted_checkpoint(tmp_path_factory):
             "--trainer.enable_model_summary=false",
             "--trainer.logger=false",
             f"--checkpoint.dirpath={root}/ckpts",
-            "--model.n_layer=2",
-            "--model.n_head=4",
-            "--model.n_embd=32",
+            "--model.gpt.n_layer=2",
+            "--model.gpt.n_head=4",
+            "--model.gpt.n_embd=32",
             "--model.aah.policy=random",
             "--model.aah.candidates=[8, 16, 32, 64]",
             "--data.source=files",

@@ -104,7 +104,7 @@ def test_refuses_what_cannot_be_exported(make_module, write_checkpoint, tmp_path
     assert "not a checkpoint written by aah fit" in line
 
     ckpt = torch.load(good, weights_only=True)
-    ckpt["hyper_parameters"]["n_embd"] = 64  # weights of another shape than the hyperparameters say
+    ckpt["hyper_parameters"]["gpt"]["n_embd"] = 64  # weights of another shape than the hyperparameters say
     mismatched = tmp_path / "mismatched.ckpt"
     torch.save(ckpt, mismatched)
     line = refused(["--ckpt_path", str(mismatched), "--out", out], capsys, tmp_path)

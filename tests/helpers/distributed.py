@@ -32,11 +32,7 @@ def cpu_config(folder) -> str:
         },
         "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
         "model": {
-            "n_layer": 2,
-            "n_head": 4,
-            "n_embd": 32,
-            "backend": "auto",
-            "compile_blocks": False,
+            "gpt": {"n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False},
             "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
         },
         # No test split: the block count these steps were sized on, so no epoch boundary falls inside a step (where

@@ -16,6 +16,7 @@ from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 
 
 class PoisonRank1(L.Callback):
@@ -28,7 +29,7 @@ class PoisonRank1(L.Callback):
 def main(out_dir: str) -> None:
     L.seed_everything(0)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
-    model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=data.vocab_size)
+    model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=data.vocab_size))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,

@@ -19,6 +19,7 @@ from aah_lightning.lit import checkpointing
 from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.validation import resolve_ckpt_path
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import available_policies
@@ -109,7 +110,7 @@ def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
     aah = AAHConfig(policy=policy, candidates=[8, 16, 32], window=16, table=[[8, 32], [16, 8]], redraw_interval=1)
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
         aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
-    model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65, aah=aah)
+    model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65), aah=aah)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     trainer = L.Trainer(
         accelerator="cpu",

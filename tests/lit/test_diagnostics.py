@@ -98,7 +98,7 @@ def test_static_table_scalars_equal_hand_counts(tmp_path, tiny_args):
         tiny_args(
             "--model.aah.policy=static",
             f"--model.aah.table={STATIC}",
-            f"--model.block_size={TILE}",
+            f"--model.gpt.block_size={TILE}",
             "--diagnostics.amc_every_n_steps=0",
             "--trainer.val_check_interval=4",
             steps=4,
@@ -135,12 +135,7 @@ def test_block_density_counts_the_blockmask_of_flex_plans():
 
 def test_reading_the_plans_in_use_builds_nothing():
     module = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        seq_len=T,
-        block_size=TILE,
-        backend="sdpa",
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, block_size=TILE, backend="sdpa"),
         aah=AAHConfig("static", table=STATIC),
     )
     module.model(torch.randint(0, 257, (2, T)))  # the training forward builds the plans
@@ -249,12 +244,7 @@ def test_a_policy_without_groups_reports_none():
 def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
     module = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        seq_len=T,
-        vocab_size=dm.vocab_size,
-        backend="sdpa",
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig("static", table=GROUPED_TABLE),
     )
     decided = {"step": 0}
@@ -297,12 +287,7 @@ def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
     """A table that changes every step is drawn at most once per visuals_min_interval, and its last state is drawn."""
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
     module = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        seq_len=T,
-        vocab_size=dm.vocab_size,
-        backend="sdpa",
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig("random", candidates=[4, 8, 16, 32], redraw_interval=1),
     )
     trainer = L.Trainer(

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aah_lightning.checkpoint import HPARAMS_FORMAT, HPARAMS_FORMAT_ENTRY
 from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.evaluation import PositionLoss, bucket_of, widen_full_windows
@@ -40,13 +41,8 @@ def test_position_buckets_against_a_hand_computation():
 def test_validation_logs_position_losses_of_a_manual_pass(tmp_path):
     torch.manual_seed(0)
     module = AAHModule(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        seq_len=128,
-        vocab_size=65,
+        gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=128, vocab_size=65, backend="sdpa"),
         aah=AAHConfig(policy="fixed", window=16),
-        backend="sdpa",
     )
     data = TextDataModule(source="synthetic", seq_len=128, batch_size=4, synthetic_documents=64)
     trainer = L.Trainer(
@@ -73,23 +69,19 @@ def test_validation_logs_position_losses_of_a_manual_pass(tmp_path):
 
 def test_full_heads_stay_full_at_a_longer_length():
     table = torch.tensor([[32, 8], [40, 16]], dtype=torch.int32)
-    ckpt = {"hyper_parameters": {"seq_len": 32}, "state_dict": {"model.windows": table.clone()}}
+    hparams = {"gpt": {"seq_len": 32}, HPARAMS_FORMAT_ENTRY: HPARAMS_FORMAT}
+    ckpt = {"hyper_parameters": hparams, "state_dict": {"model.windows": table.clone()}}
     widen_full_windows(ckpt, 64)
     assert ckpt["state_dict"]["model.windows"].tolist() == [[64, 8], [64, 16]]
-    shorter = {"hyper_parameters": {"seq_len": 32}, "state_dict": {"model.windows": table.clone()}}
+    shorter = {"hyper_parameters": hparams, "state_dict": {"model.windows": table.clone()}}
     widen_full_windows(shorter, 16)  # at a shorter length every W >= T is the whole context already
     assert torch.equal(shorter["state_dict"]["model.windows"], table)
 
 
 def static_module(seq_len: int, **settings) -> AAHModule:
     return AAHModule(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        seq_len=seq_len,
-        vocab_size=65,
+        gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=seq_len, vocab_size=65, **settings),
         aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
-        **settings,
     )
 
 
@@ -159,7 +151,7 @@ def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_ar
     args = [
         f"--model.aah.policy={policy}",
         "--model.aah.candidates=[8,16,32,64]",
-        f"--model.backend={backend}",
+        f"--model.gpt.backend={backend}",
         *settings,
     ]
     main(tiny_args(*args, steps=3, seq_len=64))
@@ -185,7 +177,7 @@ def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_ar
                 *args,
                 f"--ckpt_path={tmp_path}/ckpt/last.ckpt",
                 "--trainer.logger.init_args.name=kept",
-                "--model.full_heads_beyond_trained=trained_span",
+                "--model.gpt.full_heads_beyond_trained=trained_span",
                 subcommand="validate",
                 seq_len=128,
             )

@@ -1,4 +1,5 @@
-"""The model's settings are saved once, as flat ``model.*`` hyperparameters, and a checkpoint rebuilds the model.
+"""The model's settings are saved once, one plain dict per settings dataclass (``gpt``, ``aah``, ``optim``) with the
+layout's version, and a checkpoint rebuilds the model (also one of the earlier flat layout).
 
 train/loss is the mean loss of the optimizer step's micro-batches, not the last micro-batch's."""
 
@@ -9,22 +10,25 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 
+from aah_lightning.checkpoint import HPARAMS_FORMAT, HPARAMS_FORMAT_ENTRY
 from aah_lightning.cli import main
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 
 
-def test_checkpoints_rebuild_the_model_from_flat_hyperparameters(tmp_path, tiny_args):
-    main(tiny_args("--model.rope_base=500.0", "--model.aah.policy=fixed", "--model.aah.window=8", steps=3))
+def test_checkpoints_rebuild_the_model_from_its_settings(tmp_path, tiny_args):
+    main(tiny_args("--model.gpt.rope_base=500.0", "--model.aah.policy=fixed", "--model.aah.window=8", steps=3))
     path = tmp_path / "ckpt" / "last.ckpt"
     ckpt = torch.load(path, weights_only=True)
     hp = ckpt["hyper_parameters"]
-    assert hp["n_layer"] == 2 and hp["n_head"] == 4 and hp["rope_base"] == 500.0 and hp["aah"]["window"] == 8
-    expected = GPTConfig(vocab_size=hp["vocab_size"], seq_len=32, n_layer=2, n_head=4, n_embd=32, rope_base=500.0)
-    # as the CLI wrote it (Lightning adds how it instantiated the module), and as checkpoints of code driving the
-    # Trainer directly (or of earlier versions) hold it: the flat settings only
-    flat = dict(ckpt, hyper_parameters={k: v for k, v in hp.items() if k != "_instantiator"})
+    assert set(hp) == {"gpt", "aah", "optim", HPARAMS_FORMAT_ENTRY} and hp[HPARAMS_FORMAT_ENTRY] == HPARAMS_FORMAT
+    gpt = hp["gpt"]
+    assert gpt["n_layer"] == 2 and gpt["n_head"] == 4 and gpt["rope_base"] == 500.0 and hp["aah"]["window"] == 8
+    assert gpt["seq_len"] == 32 and gpt["vocab_size"] == 65  # linked: data.seq_len, the synthetic task's vocabulary
+    expected = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=4, n_embd=32, rope_base=500.0)
+    # as the CLI writes it, and as checkpoints of earlier versions hold it: the GPT's settings flat
+    flat = dict(ckpt, hyper_parameters={**gpt, "aah": hp["aah"], "optim": hp["optim"]})
     torch.save(flat, tmp_path / "flat.ckpt")
     for saved in (path, tmp_path / "flat.ckpt"):
         module = AAHModule.load_from_checkpoint(saved)
@@ -63,7 +67,7 @@ class LossesSeen(AAHModule):
 
 
 def test_train_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
-    model = LossesSeen(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
+    model = LossesSeen(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65))
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     logger = Recorded()
     trainer = L.Trainer(

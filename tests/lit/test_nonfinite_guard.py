@@ -17,6 +17,7 @@ from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint, 
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 from helpers.cli import PYTHON, REPO, subprocess_env, tiny_config
 
 
@@ -35,7 +36,7 @@ class PoisonAt(L.Callback):
 
 
 def tiny_run(tmp_path, max_steps: int, callbacks: list, every_n_train_steps: int = 2):
-    model = AAHModule(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
+    model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65))
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
     last = LastCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=every_n_train_steps)
     trainer = L.Trainer(

@@ -177,7 +177,7 @@ def test_prompt_files_are_checked():
         ("max_new_tokens", "generate.max_new_tokens=0 is not allowed"),
         ("no_folder", "the folder"),
         ("output_is_folder", "is a folder"),
-        ("other_shape", "holds a model with model.vocab_size=65"),
+        ("other_shape", "holds a model with model.gpt.vocab_size=65"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_config, capsys, case, words):

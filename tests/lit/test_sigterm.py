@@ -41,10 +41,10 @@ def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_a
 
 def test_the_line_names_the_command_to_resume_with():
     stop = SignalStop(59, "runs/quickstart/checkpoints/last.ckpt")
-    argv = ["fit", "--config", "configs/quickstart.yaml", "--ckpt_path", "runs/x.ckpt", "--model.n_layer=2"]
+    argv = ["fit", "--config", "configs/quickstart.yaml", "--ckpt_path", "runs/x.ckpt", "--model.gpt.n_layer=2"]
     assert sigterm_report(stop, argv) == (
         "stopped by SIGTERM after step 59: its checkpoint is runs/quickstart/checkpoints/last.ckpt; resume with: "
-        "aah fit --config configs/quickstart.yaml --model.n_layer=2 --ckpt_path last"
+        "aah fit --config configs/quickstart.yaml --model.gpt.n_layer=2 --ckpt_path last"
     )
 
 

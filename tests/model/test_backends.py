@@ -68,7 +68,7 @@ def test_compiled_flex_forward_matches_reference(seq_len):
 
 
 def test_flex_training_on_cpu_is_refused_with_advice():
-    with pytest.raises(BackendUnavailable, match="model.backend=flex cannot train on cpu.*auto"):
+    with pytest.raises(BackendUnavailable, match="model.gpt.backend=flex cannot train on cpu.*auto"):
         resolve_backend("flex", torch.device("cpu"), needs_grad=True, seq_len=64)
     assert resolve_backend("auto", torch.device("cpu"), needs_grad=True, seq_len=4096) == "banded"
     assert resolve_backend("auto", torch.device("cpu"), needs_grad=False, seq_len=4096) == "banded"

@@ -52,7 +52,7 @@ def test_recording_plans_record_and_change_nothing():
 
 @pytest.mark.heavy  # compiles the blocks
 def test_probe_and_generation_through_compiled_blocks():
-    """Compiled blocks (``model.compile_blocks``): the probe runs the compiled graphs and compiles once; generation's
+    """Compiled blocks (``model.gpt.compile_blocks``): the probe runs the compiled graphs and compiles once; generation's
     eager plans run the blocks uncompiled, compile nothing, and decode as the eager model does, with activation
     checkpointing too."""
     from torch._dynamo.utils import counters

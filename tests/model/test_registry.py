@@ -31,7 +31,7 @@ def test_every_backend_is_selectable_and_unknown_names_are_refused():
     assert names[0] == "auto" and {"sdpa", "banded", "flex", "flex_tuned", "flex_fa4"} <= set(names)
     for name in names:
         GPTConfig(backend=name)  # accepted by the config
-    with pytest.raises(ConfigError, match="model.backend"):
+    with pytest.raises(ConfigError, match="model.gpt.backend"):
         GPTConfig(backend="nope")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_backend("nope")
@@ -62,9 +62,9 @@ def test_a_missing_kernel_falls_back_with_one_log_line(caplog):
         second = resolve_backend("flex_fa4", CPU, needs_grad=False, seq_len=512)
     assert first == second == "flex_tuned"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "model.backend=flex_fa4 unavailable" in lines[0] and "using flex_tuned" in lines[0]
+    assert len(lines) == 1 and "model.gpt.backend=flex_fa4 unavailable" in lines[0] and "using flex_tuned" in lines[0]
     # the fallback cannot train on CPU either: the chain ends in a refusal that names what to use instead
-    with pytest.raises(BackendUnavailable, match="cannot train on cpu.*model.backend=auto"):
+    with pytest.raises(BackendUnavailable, match="cannot train on cpu.*model.gpt.backend=auto"):
         resolve_backend("flex_fa4", CPU, needs_grad=True, seq_len=512)
 
 

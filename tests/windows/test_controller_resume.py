@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 
 T = 64
@@ -60,11 +61,7 @@ def run(ckpt_path=None, stop_at=None):
         budget_over_run=True,  # the ceilings change from decision to decision, so the windows move
     )
     module = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        seq_len=T,
-        vocab_size=VOCAB,
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=VOCAB),
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], seed=5, controller=controller),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
     )

@@ -13,6 +13,7 @@ import torch
 
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule, OptimConfig
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.probe import run_probe
 
@@ -30,12 +31,7 @@ def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(scope):
     )
     controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35, budget_scope=scope)
     module = AAHModule(
-        n_layer=2,
-        n_head=4,
-        n_embd=64,
-        seq_len=T,
-        vocab_size=dm.vocab_size,
-        backend="sdpa",
+        gpt=GPTConfig(n_layer=2, n_head=4, n_embd=64, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32], controller=controller),
         optim=OptimConfig(lr=1e-2, warmup_steps=20),
     )

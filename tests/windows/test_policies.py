@@ -6,6 +6,7 @@ import yaml
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import make_policy
 
@@ -71,13 +72,12 @@ def test_each_policy_config_builds_the_table_it_describes(path):
     cfg = load_config("configs/quickstart.yaml", path)
     model_cfg = cfg["model"]
     module = AAHModule(
-        **{k: v for k, v in model_cfg.items() if k != "aah"},
-        seq_len=cfg["data"]["seq_len"],
+        gpt=GPTConfig(**model_cfg["gpt"], seq_len=cfg["data"]["seq_len"]),
         aah=AAHConfig(**model_cfg["aah"]),
     )
     table = module.model.windows
     aah = model_cfg["aah"]
-    assert table.shape == (model_cfg["n_layer"], model_cfg["n_head"])
+    assert table.shape == (model_cfg["gpt"]["n_layer"], model_cfg["gpt"]["n_head"])
     if aah["policy"] == "full":
         assert (table == cfg["data"]["seq_len"]).all()
     elif aah["policy"] == "fixed":

@@ -44,8 +44,7 @@ from aah_lightning.model.attention.registry import Backend, Plan, register
 from aah_lightning.model.masks import window_mask_mod
 
 # Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
-# run the kernel more efficiently. Measured on a 2-core CPU (fp32, T=4096, fwd+bwd): 128 is best for W >= 512,
-# within noise of 256; 64 and 32 cost 10-60 % more there.
+# run the kernel more efficiently; the bounds are the measured best range (docs/benchmarks.md, banded chunk size).
 MAX_CHUNK = 128
 MIN_CHUNK = 32
 

@@ -180,8 +180,8 @@ class FlexBackend(Backend):
         if needs_grad and device.type != "cuda":
             return Availability(
                 False,
-                f"model.backend={self.name} cannot train on {device.type}: FlexAttention has no backward pass there "
-                f"(torch {torch.__version__}). Use model.backend=auto (banded or SDPA on CPU), banded or sdpa, "
+                f"model.gpt.backend={self.name} cannot train on {device.type}: FlexAttention has no backward pass there "
+                f"(torch {torch.__version__}). Use model.gpt.backend=auto (banded or SDPA on CPU), banded or sdpa, "
                 f"or train on a CUDA GPU",
             )
         return AVAILABLE

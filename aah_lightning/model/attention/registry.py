@@ -15,7 +15,7 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   back to the residual stream. A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
   the layer's own, so it must not write into them.
 * ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
-  defines it, even where ``model.compile_blocks`` compiled it - for plans whose Python state changes from call to
+  defines it, even where ``model.gpt.compile_blocks`` compiled it - for plans whose Python state changes from call to
   call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
   skipped too (FSDP2's gathering: generation runs unsharded anyway).
 
@@ -114,7 +114,7 @@ _BACKENDS: dict[str, Backend] = {}
 
 
 def register(cls: type[Backend]) -> type[Backend]:
-    """Class decorator: make a backend selectable by its ``name`` (``model.backend``)."""
+    """Class decorator: make a backend selectable by its ``name`` (``model.gpt.backend``)."""
     if cls.name in _BACKENDS or cls.name == "auto":
         raise ValueError(f"attention backend name {cls.name!r} is taken")
     _BACKENDS[cls.name] = cls()
@@ -133,11 +133,9 @@ def backend_names() -> tuple[str, ...]:
 
 
 # The ``auto`` rule, per device type: the first (backend, from sequence length) whose backend is available wins.
-# CPU: banded trains and infers fastest from T = 256 on (docs/benchmarks.md: 1.44x tokens/s of full causal at
-# T = 4096, and its forward beats compiled flex without a compile); below, the dense mask wins (too few tokens to
-# amortise banded's extra kernel calls). CUDA: flex_tuned, fastest of every CUDA plan measured on an H200 at T = 4096
-# and 16384 (docs/benchmarks.md: fwd+bwd 0.74x / 0.63x of SDPA causal; split and varlen 1.25x / 1.0x and 1.49x /
-# 0.87x); on GPUs without pinned options it is plain flex.
+# Each rule names the fastest measured plan for its device and lengths (the measurements: docs/benchmarks.md).
+# CPU: banded from T = 256 on; below, the dense mask (too few tokens to amortise banded's extra kernel calls).
+# CUDA: flex_tuned; on GPUs without pinned options it is plain flex.
 AUTO_RULES: dict[str, tuple[tuple[str, int], ...]] = {
     "cuda": (("flex_tuned", 0),),
     "cpu": (("banded", 256), ("sdpa", 0)),
@@ -147,19 +145,19 @@ _logged: set[str] = set()
 
 
 def resolve_backend(requested: str, device: torch.device, needs_grad: bool, seq_len: int) -> str:
-    """The backend that runs now for a configured ``model.backend``: ``auto`` by ``AUTO_RULES``; a named backend if
+    """The backend that runs now for a configured ``model.gpt.backend``: ``auto`` by ``AUTO_RULES``; a named backend if
     available, else its fallback (one log line), else ``BackendUnavailable`` with the reason."""
     device = torch.device(device)
     if requested == "auto":
         for name, min_seq_len in AUTO_RULES.get(device.type, AUTO_RULES["cpu"]):
             if seq_len >= min_seq_len and get_backend(name).available(device, needs_grad):
                 return name
-        raise BackendUnavailable(f"model.backend=auto: no attention backend runs on {device.type}")
+        raise BackendUnavailable(f"model.gpt.backend=auto: no attention backend runs on {device.type}")
     backend = get_backend(requested)
     while not (state := backend.available(device, needs_grad)):
         if backend.fallback is None:
             raise BackendUnavailable(state.reason)
-        message = f"model.backend={backend.name} unavailable ({state.reason}); using {backend.fallback}"
+        message = f"model.gpt.backend={backend.name} unavailable ({state.reason}); using {backend.fallback}"
         if message not in _logged:
             _logged.add(message)
             log.warning(message)

@@ -44,7 +44,9 @@ def document_segments(doc_ids: Tensor) -> tuple[Tensor, int]:
     runs = starts.view(batch, seq_len).sum(1)
     distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=runs.device)
     if not torch.equal(runs, distinct):
-        raise ValueError("model.backend=varlen needs every document to be one contiguous run of positions in its row")
+        raise ValueError(
+            "model.gpt.backend=varlen needs every document to be one contiguous run of positions in its row"
+        )
     bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)])
     return bounds.to(torch.int32), int(bounds.diff().max())
 

@@ -310,7 +310,7 @@ class AdaptivePolicy(WindowPolicy):
         if self.ema is not None and tuple(self.ema.shape) != expected:
             raise ConfigError(
                 f"the checkpoint's controller state has features of shape {tuple(self.ema.shape)} (layers, heads, "
-                f"features), this run expects {expected}: model.n_layer, model.n_head and model.aah.candidates must "
+                f"features), this run expects {expected}: model.gpt.n_layer, model.gpt.n_head and model.aah.candidates must "
                 f"match the checkpoint"
             )
         self.partitions = [None if p is None else [list(map(int, g)) for g in p] for p in state["partitions"]]
@@ -328,7 +328,7 @@ class AdaptivePolicy(WindowPolicy):
         self.partition_generator.set_state(state["partition_generator"])
         if state.get("allocator") and hasattr(self.allocator, "load_state_dict"):
             self.allocator.load_state_dict(state["allocator"])
-        if "spend" in state:  # checkpoints written before budgets over the run: nothing was counted
+        if "spend" in state:  # optional: a state without it has counted no spend
             self.spend.load_state_dict(state["spend"])
 
 

@@ -159,7 +159,7 @@ class PaperAllocator:
             tuple(new[k].shape) != tuple(old[k].shape) for new, old in zip(layers, self.layers) for k in WEIGHT_NAMES
         ):
             raise ConfigError(
-                "the checkpoint's paper-allocator weights do not fit this run: model.n_layer and the number of "
+                "the checkpoint's paper-allocator weights do not fit this run: model.gpt.n_layer and the number of "
                 "model.aah.candidates must match the checkpoint"
             )
         self.layers = [{k: layer[k].to(torch.float32).clone() for k in WEIGHT_NAMES} for layer in layers]
