@@ -53,6 +53,7 @@ import torch
 
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import first_line
 from aah_lightning.model.config import WEIGHT_SHAPE_SETTINGS, GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -177,11 +178,6 @@ TOKENLESS_SOURCES = ("synthetic", "recall")
 def is_remote(path) -> bool:
     """An object-store path or URL (``s3://...``), read and written through fsspec."""
     return "://" in str(path)
-
-
-def first_line(e: BaseException, limit: int = 160) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:limit]
 
 
 # (realpath, size, mtime_ns) of files whose checksums were verified in this process: a file checked by the CLI
@@ -391,15 +387,15 @@ def build_model(checkpoint: Mapping, path="checkpoint", setting: str = "checkpoi
     return model.eval()
 
 
-def checkpoint_tokenizer(checkpoint: Mapping, tokenizer: str | None = None):
+def checkpoint_tokenizer(checkpoint: Mapping, tokenizer: str | None = None, setting: str = "data.tokenizer"):
     """The tokenizer a checkpoint's model was trained with (``tokenizer`` overrides the data settings' one); None for
     a model of token ids (``data.source`` synthetic or recall) unless ``tokenizer`` is given. A tokenizer with more ids
-    than the model's vocabulary is a ``ConfigError``."""
+    than the model's vocabulary is a ``ConfigError`` (naming ``setting`` when ``tokenizer`` was given)."""
     data = data_settings(checkpoint)
     if tokenizer is None and data.get("source") in TOKENLESS_SOURCES:
         return None
     spec = tokenizer or data.get("tokenizer", "byte")
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec, setting if tokenizer else "data.tokenizer")
     vocab = gpt_settings(checkpoint).get("vocab_size")
     if vocab is not None and tok.vocab_size > vocab:
         raise ConfigError(
@@ -416,12 +412,13 @@ def load_model(
     tokenizer: str | None = None,
     weights_only: bool = True,
     setting: str = "checkpoint",
+    tokenizer_setting: str = "tokenizer",
 ):
     """``(model, tokenizer)`` of checkpoint file ``path``: the GPT with its weights and window table, in eval mode on
     ``device``, and the tokenizer of its data settings (``tokenizer`` overrides; None for a model trained on token ids,
     the synthetic and recall tasks). The file is verified and read weights-only (``read_checkpoint``); every problem
-    is one ``ConfigError`` line."""
+    is one ``ConfigError`` line (``tokenizer_setting`` names the ``tokenizer`` override in it)."""
     checkpoint = read_checkpoint(path, weights_only=weights_only, setting=setting)
     model = build_model(checkpoint, path, setting)
-    tok = checkpoint_tokenizer(checkpoint, tokenizer)
+    tok = checkpoint_tokenizer(checkpoint, tokenizer, tokenizer_setting)
     return model.to(device), tok

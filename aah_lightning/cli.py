@@ -10,23 +10,31 @@ saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import signal
 import sys
+import traceback
 from dataclasses import fields
 from typing import Optional
 
 import torch
 from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
+from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
+from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SignalStop
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
@@ -127,6 +135,7 @@ class AAHCLI(LightningCLI):
         # bf16-mixed on a GPU, fp32 on CPU, unless the config says otherwise.
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         trainer = cfg["trainer"]
+        validation.check_devices(trainer.get("accelerator"), trainer.get("devices"))  # before any class is built
         if trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and trainer.get("accelerator") in ("auto", "gpu", "cuda", None)
             trainer["precision"] = "bf16-mixed" if on_gpu else "32-true"
@@ -146,10 +155,19 @@ class AAHCLI(LightningCLI):
             plugins.append(AtomicCheckpointIO())
         # Under SLURM the batch script requeues the job (configs/cluster/slurm.sbatch). Lightning's own handler would
         # requeue it too when USR1 reaches the tasks, after saving a mid-step hpc_ckpt that a restart without
-        # --ckpt_path would resume from.
+        # --ckpt_path would resume from. LastCheckpoint takes a USR1 that reaches the tasks instead (save the step,
+        # then one requeue).
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
-        return super().instantiate_trainer(plugins=plugins, **kwargs)
+        try:
+            return super().instantiate_trainer(plugins=plugins, **kwargs)
+        except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
+            # What check_devices cannot foresee (strategies, num_nodes, device combinations): Lightning's first line.
+            if not any(f.filename.endswith("accelerator_connector.py") for f in traceback.extract_tb(e.__traceback__)):
+                raise
+            t = config["trainer"]
+            given = ", ".join(f"trainer.{k}={t.get(k)!r}" for k in ("accelerator", "devices", "strategy", "num_nodes"))
+            raise ConfigError(f"{given} cannot be used on this machine: {first_line(e)}") from e
 
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
@@ -205,6 +223,54 @@ def _user_error(exc: BaseException | None):
     return None
 
 
+def check_config_files(argv) -> None:
+    """Every ``--config`` / ``-c`` file of the command line is a readable UTF-8 YAML mapping: one line naming it
+    otherwise (jsonargparse prints its whole usage for a missing file and a traceback for one that is not UTF-8).
+    A YAML string given in place of a file is left to jsonargparse."""
+    if not isinstance(argv, (list, tuple)):
+        return
+    for i, arg in enumerate(argv):
+        arg = str(arg)
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg in ("-c", "--config") and i + 1 < len(argv):
+            path = str(argv[i + 1])
+        else:
+            continue
+        if not os.path.exists(path) and ("\n" in path or path.lstrip().startswith("{") or ": " in path):
+            continue  # jsonargparse also takes the settings themselves, as a YAML string
+        config = read_yaml(path, "--config")
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"--config={path!r} holds a YAML {type(config).__name__}, not a mapping of settings")
+
+
+def sigterm_report(stop: SIGTERMException, argv) -> str:
+    """What happened and how to go on, after SIGTERM (or SLURM's requeue signal) ended a run."""
+    if not isinstance(stop, SignalStop):  # Lightning's: the signal came before the first training step
+        return (
+            "stopped by SIGTERM before this run finished a training step: nothing was saved (an earlier last.ckpt is "
+            "unchanged)"
+        )
+    command = "aah fit ... --ckpt_path last"
+    if isinstance(argv, (list, tuple)) and argv and argv[0] == "fit":
+        kept, skip = [], False
+        for arg in map(str, argv[1:]):
+            if skip or arg.startswith("--ckpt_path="):
+                skip = False
+                continue
+            if arg == "--ckpt_path":
+                skip = True
+                continue
+            kept.append(arg)
+        command = shlex.join(["aah", "fit", *kept, "--ckpt_path", "last"])
+    if stop.requeue is not None:
+        return (
+            f"stopped by {signal.Signals(stop.signum).name} (SLURM's requeue signal) after step {stop.step}: its "
+            f"checkpoint is {stop.path}; {stop.requeue}"
+        )
+    return f"stopped by SIGTERM after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
+
+
 def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, (list, tuple)) and argv and argv[0] == "export":  # not a Trainer run: its own small parser
@@ -212,6 +278,7 @@ def main(args=None) -> None:
 
         sys.exit(export_main(list(argv[1:])))
     try:
+        check_config_files(argv)
         AAHCLI(
             AAHModule,
             TextDataModule,
@@ -232,6 +299,10 @@ def main(args=None) -> None:
             print(f"aah: error: {error}", file=sys.stderr)
             sys.exit(4)
         raise
+    except SIGTERMException as e:  # a SystemExit: Lightning's own carries no code (exit 0); this run's is 143
+        if rank_zero_only.rank == 0:
+            print(f"aah: {sigterm_report(e, argv)}", file=sys.stderr, flush=True)
+        sys.exit(e.code if isinstance(e, SignalStop) else SIGTERM_EXIT_CODE)
     finally:
         shutdown_process_group()
 

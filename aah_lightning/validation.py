@@ -11,7 +11,6 @@ Trainer directly gets the same errors (those two live lower down, where the modu
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
@@ -19,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, check_matches, read_checkpoint
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import cuda_count, writable_folder
 from aah_lightning.lit.checkpointing import LastCheckpoint
 from aah_lightning.lit.checks import check_run
 
@@ -121,20 +121,91 @@ def check_checkpoint_folders(trainer) -> None:
         folder = getattr(cb, "dirpath", None) if isinstance(cb, ModelCheckpoint) else None
         if not folder or "://" in str(folder):
             continue
-        existing = os.path.abspath(folder)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        try:
-            if not os.path.isdir(existing):
-                raise NotADirectoryError(f"{existing} is a file")
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as e:
-            setting = "checkpoint.dirpath" if isinstance(cb, LastCheckpoint) else "best_checkpoint.dirpath"
+        setting = "checkpoint.dirpath" if isinstance(cb, LastCheckpoint) else "best_checkpoint.dirpath"
+        writable_folder(str(folder), setting)
+
+
+def _accelerators() -> dict[str, bool]:
+    """Lightning's accelerator names and whether each can run here."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    return {name: AcceleratorRegistry[name]["accelerator"].is_available() for name in AcceleratorRegistry}
+
+
+def _count(value) -> Optional[int]:
+    """An int, or the int a string of digits (with an optional '-') spells; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
+def _indices(value) -> Optional[list[int]]:
+    """The device indices of a list, or of a string 'i,j,...' (Lightning's form); None for anything else."""
+    if isinstance(value, (list, tuple)) and all(_count(v) is not None for v in value):
+        return [_count(v) for v in value]
+    if isinstance(value, str) and "," in value:
+        parts = [p for p in value.split(",") if p.strip()]
+        if parts and all(_count(p) is not None for p in parts):
+            return [_count(p) for p in parts]
+    return None
+
+
+def check_devices(accelerator, devices) -> None:
+    """``trainer.accelerator`` names an accelerator this machine has, and ``trainer.devices`` devices it has: one
+    line naming the setting and what is allowed here, instead of Lightning's traceback from inside the Trainer
+    (``Torch not compiled with CUDA enabled``, ``No supported gpu backend found!``, ``You requested gpu: [3]``)."""
+    if accelerator is not None and not isinstance(accelerator, str):
+        return  # an Accelerator object from a class_path: Lightning checks it
+    known = _accelerators()
+    here = [name for name in ("cpu", "cuda", "mps", "tpu") if known.get(name)]
+    here_text = ", ".join(here[:-1]) + " or " + here[-1] if len(here) > 1 else here[0]
+    name = (accelerator or "auto").lower()
+    if name not in known and name not in ("auto", "gpu"):
+        raise ConfigError(
+            f"trainer.accelerator={accelerator!r} is not allowed: one of auto, cpu, gpu, "
+            f"{', '.join(sorted(n for n in known if n != 'cpu'))} (available on this machine: {here_text})"
+        )
+    if name == "gpu":
+        name = "mps" if known.get("mps") else "cuda" if known.get("cuda") else None
+        if name is None:
             raise ConfigError(
-                f"{setting}={str(folder)!r} cannot be created or written ({e.strerror or e}): choose a folder you can "
-                f"write to"
-            ) from e
+                f"trainer.accelerator={accelerator!r} is not allowed: no GPU (CUDA or Apple MPS) is available on this "
+                f"machine: use cpu or auto (available here: {here_text})"
+            )
+    elif name == "auto":
+        name = "cuda" if known.get("cuda") else "mps" if known.get("mps") else "cpu"
+    elif not known[name]:
+        what = {"cuda": "no CUDA device", "mps": "no Apple GPU (MPS)", "tpu": "no TPU (torch_xla)"}.get(name, "it")
+        raise ConfigError(
+            f"trainer.accelerator={accelerator!r} is not allowed: {what} is available on this machine: use "
+            f"{here_text} (or auto)"
+        )
+    if devices is None or devices == "auto":
+        return
+    count, indices = _count(devices), _indices(devices)
+    where = f"with trainer.accelerator={accelerator or 'auto'!r}" + (f" ({name})" if name != accelerator else "")
+    if name == "cpu":
+        if count is None or count < 1:
+            raise ConfigError(
+                f"trainer.devices={devices!r} is not allowed {where}: a positive number of processes, or auto"
+            )
+    elif name == "cuda":
+        n = cuda_count()
+        allowed = (
+            f"this machine has {n} CUDA device{'s' if n != 1 else ''}: use a number from 1 to {n}, -1 (all), auto, "
+            f"or a list of indices from 0 to {n - 1}"
+        )
+        if indices is not None:
+            if not indices or any(i < 0 or i >= n for i in indices) or len(set(indices)) != len(indices):
+                raise ConfigError(f"trainer.devices={devices!r} is not allowed {where}: {allowed}")
+        elif count is None or count == 0 or count < -1 or count > n:
+            raise ConfigError(f"trainer.devices={devices!r} is not allowed {where}: {allowed}")
+    elif name == "mps" and not (count == 1 or count == -1 or indices == [0]):
+        raise ConfigError(f"trainer.devices={devices!r} is not allowed {where}: an Apple GPU is one device (1)")
 
 
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:

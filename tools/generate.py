@@ -19,12 +19,20 @@ import torch
 from aah_lightning.checkpoint import load_model
 from aah_lightning.data.prompts import encode_prompt
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import available_devices, torch_device
 from aah_lightning.model import generate as gen
 
 
-def load(path: str, tokenizer: str | None, device: str, weights_only: bool):
+def load(path: str, tokenizer: str | None, device, weights_only: bool):
     """The GPT of a Lightning checkpoint (eval mode, on ``device``) and its tokenizer."""
-    model, tok = load_model(path, device, tokenizer=tokenizer, weights_only=weights_only, setting="ckpt_path")
+    model, tok = load_model(
+        path,
+        device,
+        tokenizer=tokenizer,
+        weights_only=weights_only,
+        setting="ckpt_path",
+        tokenizer_setting="--tokenizer",
+    )
     if tok is None:
         raise ConfigError(
             f"ckpt_path={path!r} holds a model of token ids (data.source synthetic or recall), not of text: pass the "
@@ -44,7 +52,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going past the end-of-document token")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's data.tokenizer")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help=f"cpu, cuda, cuda:N or mps (here: {available_devices()}); default: cuda if there is one",
+    )
     p.add_argument(
         "--weights-only",
         default="true",
@@ -57,7 +69,8 @@ def main(argv=None) -> int:
             args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_stop_at_eod
         )
         cfg.validate(name=lambda field: "--" + field.replace("_", "-"))
-        model, tok = load(args.ckpt, args.tokenizer, args.device, args.weights_only == "true")
+        device = torch_device(args.device, "--device")  # before the checkpoint is read
+        model, tok = load(args.ckpt, args.tokenizer, device, args.weights_only == "true")
     except ConfigError as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import writable_folder
 from aah_lightning.windows.inspection import InspectError, load, report, settings, write_files
 
 
@@ -25,9 +27,10 @@ def main(argv=None) -> int:
     p.add_argument("--mask", nargs=2, type=int, metavar=("LAYER", "HEAD"), help="also draw this head's mask")
     args = p.parse_args(argv)
     try:
+        writable_folder(args.out, "--out")
         info = load(args.checkpoint)
         seq_len, block_size = settings(info, args.seq_len, args.block_size, args.mask)
-    except InspectError as e:
+    except (InspectError, ConfigError) as e:
         print(f"inspect_windows: error: {e}", file=sys.stderr)
         return 2
 

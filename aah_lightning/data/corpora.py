@@ -13,6 +13,7 @@ import os
 import sysconfig
 
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import first_line, first_non_utf8
 
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
@@ -75,7 +76,12 @@ def file_corpus(paths: list[str], text_field: str = "text", cache_dir: str | Non
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
     except Exception as e:
-        raise ConfigError(f"data.paths could not be read as {builder}: {type(e).__name__}: {e}") from e
+        if builder in ("text", "json"):  # the usual cause, which datasets reports without the file: say which, where
+            for path in files:
+                line = first_non_utf8(path, "data.paths entry")
+                if line is not None:
+                    raise ConfigError(line) from e
+        raise ConfigError(f"data.paths could not be read as {builder}: {type(e).__name__}: {first_line(e)}") from e
     if text_field not in ds.column_names:
         raise ConfigError(
             f"data.text_field={text_field!r} is not a column of {files[0]}; columns are {ds.column_names}"

@@ -26,6 +26,7 @@ from aah_lightning.data import corpora
 from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_meta, token_dtype, verify
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import read_yaml, writable_folder
 
 CACHE_ENV = "AAH_CACHE_DIR"
 SMALL_CORPUS = 64 << 20  # below this many bytes of text, extra tokenizer processes cost more than they save
@@ -248,15 +249,12 @@ _DATA_DEFAULTS = {
 
 def _data_settings(args) -> dict:
     """The data section of the training configs (later ones win), then the command line's settings."""
-    import yaml
-
     data = dict(_DATA_DEFAULTS)
     for path in args.config:
-        try:
-            with open(path) as f:
-                section = (yaml.safe_load(f) or {}).get("data") or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--config={path!r} cannot be read: {type(e).__name__}: {e}") from e
+        config = read_yaml(path, "--config")
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"--config={path!r} holds a YAML {type(config).__name__}, not a training config")
+        section = (config or {}).get("data") or {}
         data.update(section.get("init_args", section))
     data.update({k: v for k, v in vars(args).items() if k in _DATA_DEFAULTS and v is not None})
     return data
@@ -307,7 +305,11 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"data.source={data['source']!r} cannot be prepared: use stdlib, files or hub")
         if args.repeat < 1 or (args.num_proc is not None and args.num_proc < 1):
             raise ConfigError("--repeat and --num_proc must be positive integers")
-        tokenizer = load_tokenizer(data["tokenizer"])
+        tokenizer = load_tokenizer(data["tokenizer"], "--tokenizer" if args.tokenizer else "data.tokenizer")
+        if args.cache_dir:
+            writable_folder(args.cache_dir, "--cache_dir")
+        if args.out and not os.path.exists(args.out):
+            writable_folder(args.out, "--out")  # the folder is written at the end: its place is checked now
         description = describe_source(
             data["source"],
             data["paths"],

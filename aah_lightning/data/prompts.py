@@ -10,28 +10,27 @@ and the output records how many tokens were dropped.
 from __future__ import annotations
 
 import json
-import os
 
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import utf8_lines
 
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
 def read_prompts(path, setting: str = "data.prompts") -> list[str]:
     """The prompts of ``path``: every non-blank line of a text file, or the ``prompt`` field of every non-blank line
-    of a ``.jsonl`` / ``.json`` file."""
+    of a ``.jsonl`` / ``.json`` file. The file must be UTF-8: a missing, unreadable or undecodable file, or a folder,
+    is one ``ConfigError`` line (the line number where it is not UTF-8)."""
     if not path:
         raise ConfigError(
             f"{setting} is not set: aah predict needs a prompts file (one prompt per line, or JSONL with "
             f"a 'prompt' field)"
         )
-    if not os.path.isfile(path):
-        raise ConfigError(f"{setting}={str(path)!r} does not exist: pass a prompts file (a prompt per line, or JSONL)")
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(f, start=1) if line.strip()]
+    what = "a prompts file (a prompt per line, or JSONL), encoded as UTF-8"
+    lines = [(n, line.rstrip("\r\n")) for n, line in utf8_lines(path, setting, what) if line.strip()]
     prompts = []
     if str(path).endswith(JSON_SUFFIXES):
         for n, line in lines:

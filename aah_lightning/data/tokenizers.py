@@ -36,25 +36,36 @@ _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]",
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` loaded from a tokenizer.json file, a folder holding one, or a hub name."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, setting: str = "data.tokenizer"):
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ConfigError(
-                f"data.tokenizer={spec!r} needs the 'tokenizers' package: pip install 'aah-lightning[hf]'"
+                f"{setting}={spec!r} needs the 'tokenizers' package: pip install 'aah-lightning[hf]'"
             ) from e
         self.name = spec
         path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+        if os.path.isdir(spec) and not os.path.isfile(path):
+            raise ConfigError(f"{setting}={spec!r} is a folder without a tokenizer.json: pass a tokenizer.json file")
         if os.path.isfile(path):
-            self.tok = Tokenizer.from_file(path)
+            if not os.access(path, os.R_OK):
+                raise ConfigError(f"{setting}={spec!r} cannot be read (permission denied): check its permissions")
+            try:
+                self.tok = Tokenizer.from_file(path)
+            except Exception as e:  # not JSON, not UTF-8, not a tokenizer
+                reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+                raise ConfigError(
+                    f"{setting}={spec!r} is not a Hugging Face tokenizer.json ({reason}): pass a tokenizer.json "
+                    f"(UTF-8 JSON) saved by the tokenizers library, or 'byte'"
+                ) from None
         elif os.path.sep in spec and not os.path.exists(spec):
-            raise ConfigError(f"data.tokenizer={spec!r}: no such file or folder (expected a tokenizer.json)")
+            raise ConfigError(f"{setting}={spec!r}: no such file or folder (expected a tokenizer.json)")
         else:
             try:
                 self.tok = Tokenizer.from_pretrained(spec)
             except Exception as e:
                 raise ConfigError(
-                    f"data.tokenizer={spec!r} could not be loaded from the Hugging Face hub ({type(e).__name__}); "
+                    f"{setting}={spec!r} could not be loaded from the Hugging Face hub ({type(e).__name__}); "
                     f"pass a local tokenizer.json path, or 'byte'"
                 ) from e
         vocab = self.tok.get_vocab()
@@ -105,5 +116,6 @@ def token_byte_lengths(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     return np.diff(np.append(begin, char_end[-1]))
 
 
-def load_tokenizer(spec: str):
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+def load_tokenizer(spec: str, setting: str = "data.tokenizer"):
+    """The byte tokenizer for 'byte', else a Hugging Face one; a problem is one ``ConfigError`` naming ``setting``."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, setting)

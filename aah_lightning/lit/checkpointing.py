@@ -9,6 +9,12 @@ system than the checkpoint folder (local /tmp, shared scratch), the commit is a 
 kill can truncate; it also never fsyncs. FSDP2's checkpoint folders, which every rank writes outside CheckpointIO,
 get the same guarantee from ``AtomicModelParallelStrategy`` (a temporary folder, then an atomic swap of a link).
 
+Stopping on SIGTERM (``LastCheckpoint``): a preemption, ``scontrol requeue``, ``kill`` or torchrun's shutdown sends
+SIGTERM. Every rank finishes the optimizer step it is in (the whole accumulation window), the ranks agree at that step
+boundary (``reduce_boolean_decision``: one rank's signal is enough), ``last.ckpt`` of that step is written (atomically,
+as every checkpoint) and ``SignalStop`` ends the run; the CLI says so in one line and exits with 143. SLURM's requeue
+signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once.
+
 Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
 must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
 the user passes ``--weights_only false``. Every failure is a one-line ``ConfigError`` naming the file. The checkpoint's
@@ -21,16 +27,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
 from aah_lightning.errors import CheckpointWriteError
@@ -126,14 +137,65 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
 
 
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+
+
+class SignalStop(SIGTERMException):
+    """Training stopped after a signal at the step boundary ``step``; ``path`` is that step's ``last.ckpt``. A
+    ``SystemExit`` with code 128 + the signal (SIGTERM: 143; Lightning's own ``SIGTERMException`` carries none, so the
+    process would exit 0). ``requeue``: what rank 0 did about SLURM's requeue signal (None for SIGTERM)."""
+
+    def __init__(self, step: int, path: str, signum: int = signal.SIGTERM, requeue: Optional[str] = None):
+        super().__init__(128 + signum)
+        self.step, self.path, self.signum, self.requeue = step, path, signum, requeue
+
+
+def slurm_job_id() -> Optional[str]:
+    """The id ``scontrol requeue`` takes for this job (``<array job>_<task>`` for an array task), as Lightning forms it."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue`` this job once; what happened, in words. A job that SLURM is already requeueing (the batch
+    shell also trapped the signal) answers 'Job is pending execution': still one requeue."""
+    job = slurm_job_id()
+    if not job:
+        return "not requeued: SLURM_JOB_ID is not set"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not requeued: scontrol requeue {job} failed ({type(e).__name__}: {e})"
+    if done.returncode == 0:
+        return f"SLURM job {job} requeued: it starts again and resumes from this checkpoint"
+    reason = (done.stderr or done.stdout).strip().splitlines()
+    return f"scontrol requeue {job} answered: {reason[0] if reason else done.returncode} (no second requeue)"
+
+
 class LastCheckpoint(ModelCheckpoint):
-    """The crash-safety checkpoint: ``last.ckpt`` every ``every_n_train_steps`` steps (or ``train_time_interval``)
-    and at the end of training.
+    """The crash-safety checkpoint: ``last.ckpt`` every ``every_n_train_steps`` steps (or ``train_time_interval``),
+    at the end of training, and when the run is stopped by SIGTERM.
 
     A ``ModelCheckpoint`` that monitors a validation metric defers its step-triggered saves to the next validation
     (Lightning >= 2.5), so its ``last.ckpt`` only moves at validation time. This one monitors nothing, keeps only
     ``last.ckpt`` and also saves the final step, so a finished run's ``last`` is its end state. The best model by
     validation loss is a second, ordinary ``ModelCheckpoint`` (``best_checkpoint`` in the CLI).
+
+    SIGTERM. Lightning's ``_SignalConnector`` only sets ``trainer.received_sigterm``; its loops then raise
+    ``SIGTERMException`` after the current micro-batch (mid-accumulation), nothing is saved and the process exits
+    with 0. From ``on_train_start`` on (after Lightning has registered its handlers) this callback takes SIGTERM over:
+    the handler only counts signals. At every optimizer-step boundary the ranks reduce "any rank was signalled"
+    (``strategy.reduce_boolean_decision``; a no-op on one process); when it is true every rank is at the same step
+    boundary: ``last.ckpt`` of that step is written (unless it already was) and ``SignalStop`` is raised. A second
+    SIGTERM while that happens is counted and changes nothing; Lightning's teardown puts the original handlers back
+    afterwards. A signal before ``on_train_start`` (setup, sanity validation) stays Lightning's: no step was trained.
+
+    SLURM's requeue signal (USR1) reaching the tasks (``--signal=USR1@300`` without ``B:``, ``scancel --signal=USR1``
+    without ``--batch``): under a ``SLURMEnvironment`` whose Lightning auto-requeue is off (the CLI's), it is taken the
+    same way, and after the save rank 0 requeues the job once (``scontrol requeue``), unless some rank also got SIGTERM
+    (SLURM is ending the job already: a requeue, preemption or cancel is under way). Exit code 138 (128 + USR1).
 
     Args:
         dirpath: the checkpoint folder (``--ckpt_path last`` looks here).
@@ -171,8 +233,57 @@ class LastCheckpoint(ModelCheckpoint):
         # checkpoint written after the loop finished as one step and one epoch further on, so a run extended from it
         # (a larger max_steps) would log every point one step late.
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+        finished = 0 < trainer.max_steps <= trainer.global_step
+        if finished and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if trainer.fit_loop._should_accumulate():  # inside an accumulation window: the step is not finished
+            return
+        # Every rank is at the same step boundary here: one collective decides for all of them (and, only when they
+        # stop, two more say which signal).
+        strategy = trainer.strategy
+        if not strategy.reduce_boolean_decision(self._sigterms + self._requeues > 0, all=False) or finished:
+            return
+        terminated = strategy.reduce_boolean_decision(self._sigterms > 0, all=False)
+        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not terminated
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if not requeue:
+            raise SignalStop(trainer.global_step, self.last_model_path)
+        done = requeue_slurm_job() if trainer.is_global_zero else None
+        raise SignalStop(trainer.global_step, self.last_model_path, self._requeue_signal, done)
+
+    # -- signals -------------------------------------------------------------------------------------------------------
+    _sigterms = _requeues = 0
+    _requeue_signal = signal.SIGUSR1
+
+    @property
+    def sigterms(self) -> int:
+        """How many times this process has received SIGTERM since training started (from the first on, the run stops
+        at the next step boundary)."""
+        return self._sigterms
+
+    @property
+    def requeue_signals(self) -> int:
+        """How many times this process has received SLURM's requeue signal (USR1) since training started."""
+        return self._requeues
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._sigterms = self._requeues = 0
+        if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # As Lightning's _SignalConnector finds it (a single-device run under srun has a cluster environment too).
+        environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+        if isinstance(environment, SLURMEnvironment) and not environment.auto_requeue:
+            self._requeue_signal = environment.requeue_signal or signal.SIGUSR1
+            signal.signal(self._requeue_signal, self._on_requeue_signal)
+
+    # Nothing else in the handlers: no collective, no I/O. The step boundary acts on them.
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterms += 1
+
+    def _on_requeue_signal(self, signum, frame) -> None:
+        self._requeues += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.

@@ -15,11 +15,12 @@ import zipfile
 import lightning as L
 import pytest
 
+from aah_lightning import validation
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
-from helpers.cli import cli_error, tiny_config, train_tiny
+from helpers.cli import cli_error, run_tool, tiny_config, train_tiny
 
 
 def refuse(tmp_path, capsys, *args, subcommand="fit", **sections) -> str:
@@ -276,3 +277,312 @@ def test_budget_below_the_smallest_windows_cost(tmp_path, capsys, budget):
     # Candidates [8, 16, 32] at seq_len 32: the smallest window alone costs well above 0.01 on either measure.
     line = refuse(tmp_path, capsys, *ADAPTIVE, f"--model.aah.controller.{budget}", "0.01")
     assert f"model.aah.controller.{budget}=0.01" in line and "smallest candidate window 8" in line
+
+
+# -- files and devices of aah predict, tools/generate.py, tools/inspect_windows.py and aah-prepare ----------------------
+LATIN1 = "caf\xe9 au lait\n".encode("latin-1")  # the é is one byte, 0xe9: not UTF-8
+
+
+def latin1_file(tmp_path, name: str, before: str = "") -> str:
+    path = tmp_path / name
+    path.write_bytes(before.encode() + LATIN1)
+    return str(path)
+
+
+def tool_error(capsys, name: str, *args: str) -> str:
+    """``tools/<name>.py ARGS`` in-process, expecting one error line and exit status 2; returns the line."""
+    capsys.readouterr()
+    code = run_tool(name, *args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert code == 2 and len(lines) == 1, err
+    return lines[0]
+
+
+def unreadable(monkeypatch, path: str) -> str:
+    """``path``, made unreadable to this process: by its permissions, or for root (which reads any file) by
+    os.access saying so."""
+    os.chmod(path, 0)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if str(p) == path else real(p, mode, *a, **k))
+    return path
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This machine without CUDA or MPS, whatever it has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(validation, "_accelerators", lambda: {"cpu": True, "cuda": False, "mps": False, "tpu": False})
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """This machine with two CUDA devices (nothing is run on them: every check below refuses first)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(validation, "_accelerators", lambda: {"cpu": True, "cuda": True, "mps": False, "tpu": False})
+
+
+PREDICT_OUT = "predict_out.jsonl"
+
+
+def predict_args(tmp_path, *extra) -> list[str]:
+    prompts = tmp_path / "prompts.txt"
+    if not prompts.exists():
+        prompts.write_text("def f(\n")
+    return [f"--data.prompts={prompts}", f"--generate.output={tmp_path / PREDICT_OUT}", *extra]
+
+
+def refuse_predict(tmp_path, capsys, *extra) -> str:
+    line = refuse(tmp_path, capsys, *predict_args(tmp_path, *extra), subcommand="predict")
+    assert not (tmp_path / PREDICT_OUT).exists()
+    return line
+
+
+def test_predict_prompts_not_utf8(tmp_path, capsys):
+    prompts = latin1_file(tmp_path, "latin1.txt", before="def f(\n\n")
+    line = refuse_predict(tmp_path, capsys, f"--data.prompts={prompts}")
+    assert f"data.prompts='{prompts}' line 3 is not UTF-8" in line and "byte 0xe9 at column 4" in line
+    assert "encoded as UTF-8" in line
+
+
+def test_predict_jsonl_prompts_not_utf8(tmp_path, capsys):
+    prompts = latin1_file(tmp_path, "latin1.jsonl", before='{"prompt": "a"}\n')
+    line = refuse_predict(tmp_path, capsys, f"--data.prompts={prompts}")
+    assert f"data.prompts='{prompts}' line 2 is not UTF-8" in line
+
+
+def test_prompts_with_a_byte_order_mark_are_utf8(tmp_path):
+    from aah_lightning.data.prompts import read_prompts
+
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffcaf\xe9\r\nna\xefve\n".encode("utf-8"))  # as Windows editors save UTF-8
+    assert read_prompts(str(path)) == ["caf\xe9", "na\xefve"]
+
+
+def test_predict_prompts_is_a_folder(tmp_path, capsys):
+    line = refuse_predict(tmp_path, capsys, f"--data.prompts={tmp_path}")
+    assert f"data.prompts='{tmp_path}' is a folder: pass a prompts file" in line
+
+
+def test_predict_prompts_unreadable(tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "secret.txt"
+    prompts.write_text("def f(\n")
+    line = refuse_predict(tmp_path, capsys, f"--data.prompts={unreadable(monkeypatch, str(prompts))}")
+    assert f"data.prompts='{prompts}' cannot be read" in line
+
+
+def test_predict_checkpoint_is_a_folder(tmp_path, capsys):
+    (tmp_path / "afolder").mkdir()
+    line = refuse_predict(tmp_path, capsys, f"--ckpt_path={tmp_path / 'afolder'}")
+    assert "ckpt_path=" in line and "is a folder" in line
+
+
+def test_predict_checkpoint_unreadable(tmp_path, capsys, monkeypatch, good_ckpt):
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copy(good_ckpt, ckpt)
+    line = refuse_predict(tmp_path, capsys, f"--ckpt_path={unreadable(monkeypatch, str(ckpt))}")
+    assert f"ckpt_path='{ckpt}' is not readable" in line
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "does not exist: pass a YAML config file"),
+        ("folder", "is a folder: pass a YAML config file"),
+        (LATIN1, "line 1 is not UTF-8 text"),
+        (b"trainer: [\n", "line 2 column 1 is not valid YAML"),
+        (b"- a list\n", "holds a YAML list"),
+    ],
+)
+def test_config_file_that_cannot_be_used(tmp_path, capsys, content, words):
+    config = tmp_path / "bad.yaml"
+    if content == "folder":
+        config.mkdir()
+    elif content is not None:
+        config.write_bytes(content)
+    for subcommand in ("predict", "fit"):
+        code, line = cli_error([subcommand, "--config", str(config)], capsys)
+        assert code == 2 and line.startswith(f"aah: error: --config='{config}'") and words in line, line
+
+
+def test_predict_accelerator_gpu_without_a_gpu(tmp_path, capsys, no_gpu):
+    for accelerator in ("gpu", "cuda"):
+        line = refuse_predict(tmp_path, capsys, f"--trainer.accelerator={accelerator}")
+        assert f"trainer.accelerator='{accelerator}' is not allowed" in line and "no " in line and "use cpu" in line
+
+
+def test_predict_accelerator_unknown(tmp_path, capsys):
+    line = refuse_predict(tmp_path, capsys, "--trainer.accelerator=banana")
+    assert "trainer.accelerator='banana' is not allowed: one of auto, cpu, gpu, cuda, mps, tpu" in line
+
+
+def test_predict_more_cuda_devices_than_the_machine_has(tmp_path, capsys, two_gpus):
+    for devices in ("[3]", "3", "0,2"):
+        line = refuse_predict(tmp_path, capsys, "--trainer.accelerator=cuda", f"--trainer.devices={devices}")
+        assert "trainer.devices=" in line and "this machine has 2 CUDA devices" in line and "0 to 1" in line
+
+
+def test_predict_zero_cpu_devices(tmp_path, capsys):
+    line = refuse_predict(tmp_path, capsys, "--trainer.devices=0")
+    assert "trainer.devices=" in line and "a positive number of processes" in line
+
+
+def test_lightning_device_errors_check_devices_does_not_foresee_are_one_line(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--trainer.num_nodes=0")
+    assert "trainer.num_nodes=0 cannot be used on this machine" in line and "num_nodes" in line
+
+
+# tools/generate.py
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_generate_cuda_without_a_gpu(capsys, no_gpu, good_ckpt, device):
+    line = tool_error(capsys, "generate", good_ckpt, "--device", device)
+    assert line.startswith(f"generate: error: --device='{device}' is not allowed: no CUDA device is available"), line
+    assert "use cpu" in line
+
+
+def test_generate_cuda_index_beyond_the_machine(capsys, two_gpus, good_ckpt):
+    line = tool_error(capsys, "generate", good_ckpt, "--device", "cuda:3")
+    assert "--device='cuda:3' is not allowed: this machine has 2 CUDA devices" in line
+    assert "cuda:0 to cuda:1" in line
+
+
+def test_generate_mps_without_one(capsys, no_gpu, good_ckpt):
+    line = tool_error(capsys, "generate", good_ckpt, "--device", "mps")
+    assert "--device='mps' is not allowed: no Apple GPU (MPS)" in line and "use cpu" in line
+
+
+@pytest.mark.parametrize("device", ["gpu", "", "meta", "cpu:x"])
+def test_generate_device_that_is_not_one(capsys, good_ckpt, device):
+    line = tool_error(capsys, "generate", good_ckpt, "--device", device)
+    assert f"--device='{device}' is not a device" in line and "cpu" in line
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "unreadable"])
+def test_generate_checkpoint_that_cannot_be_read(tmp_path, capsys, monkeypatch, good_ckpt, case):
+    ckpt = tmp_path / "model.ckpt"
+    if case == "folder":
+        ckpt.mkdir()
+    elif case == "unreadable":
+        shutil.copy(good_ckpt, ckpt)
+        unreadable(monkeypatch, str(ckpt))
+    line = tool_error(capsys, "generate", str(ckpt), "--device", "cpu")
+    words = {"missing": "does not exist", "folder": "is a folder", "unreadable": "is not readable"}[case]
+    assert f"ckpt_path='{ckpt}' {words}" in line
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "latin1"])
+def test_generate_tokenizer_that_cannot_be_read(tmp_path, capsys, good_ckpt, case):
+    path = {"missing": str(tmp_path / "no" / "tokenizer.json"), "folder": str(tmp_path)}.get(case)
+    path = path or latin1_file(tmp_path, "tokenizer.json")
+    line = tool_error(capsys, "generate", good_ckpt, "--device", "cpu", "--tokenizer", path)
+    words = {"missing": "no such file", "folder": "is a folder without a tokenizer.json", "latin1": "UTF-8"}[case]
+    assert f"--tokenizer='{path}'" in line and words in line
+
+
+# tools/inspect_windows.py
+@pytest.mark.parametrize("case", ["missing", "folder", "unreadable"])
+def test_inspect_checkpoint_that_cannot_be_read(tmp_path, capsys, monkeypatch, good_ckpt, case):
+    ckpt = tmp_path / "model.ckpt"
+    if case == "folder":
+        ckpt.mkdir()
+    elif case == "unreadable":
+        shutil.copy(good_ckpt, ckpt)
+        unreadable(monkeypatch, str(ckpt))
+    line = tool_error(capsys, "inspect_windows", str(ckpt), "--out", str(tmp_path / "out"))
+    words = {"missing": "does not exist", "folder": "is a folder", "unreadable": "is not readable"}[case]
+    assert f"checkpoint='{ckpt}' {words}" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_out_is_a_file(tmp_path, capsys, good_ckpt):
+    out = tmp_path / "a_file"
+    out.write_text("")
+    line = tool_error(capsys, "inspect_windows", good_ckpt, "--out", str(out))
+    assert line == f"inspect_windows: error: --out='{out}' is a file, not a folder: name a folder (new or existing)"
+
+
+def test_inspect_out_cannot_be_written(tmp_path, capsys, good_ckpt):
+    line = tool_error(capsys, "inspect_windows", good_ckpt, "--out", "/proc/aah-inspect")
+    assert line.startswith("inspect_windows: error: --out='/proc/aah-inspect' cannot be created or written")
+
+
+# aah-prepare (tools/prepare_data.py)
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "does not exist"),
+        ("folder", "is a folder"),
+        (LATIN1, "line 1 is not UTF-8 text"),
+        (b"data: [\n", "is not valid YAML"),
+    ],
+)
+def test_prepare_config_that_cannot_be_used(tmp_path, capsys, content, words):
+    config = tmp_path / "c.yaml"
+    if content == "folder":
+        config.mkdir()
+    elif content is not None:
+        config.write_bytes(content)
+    line = tool_error(capsys, "prepare_data", "--config", str(config), "--out", str(tmp_path / "tokens"))
+    assert line.startswith(f"aah-prepare: error: --config='{config}'") and words in line, line
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_prepare_corpus_not_utf8(tmp_path, capsys):
+    corpus = latin1_file(tmp_path, "latin1.txt", before="def f():\n    pass\n")
+    args = ["--source", "files", "--paths", corpus, "--out", str(tmp_path / "tokens"), "--cache_dir", str(tmp_path)]
+    line = tool_error(capsys, "prepare_data", *args)
+    assert f"data.paths entry '{corpus}' line 3 is not UTF-8 text" in line
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_fit_corpus_not_utf8(tmp_path, capsys):
+    corpus = latin1_file(tmp_path, "latin1.jsonl", before='{"text": "fine"}\n')
+    line = refuse(
+        tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{corpus}]", "--data.cache_dir", str(tmp_path)
+    )
+    assert f"data.paths entry '{corpus}' line 2 is not UTF-8 text" in line
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "unwritable"])
+def test_prepare_out_cannot_be_written(tmp_path, capsys, where):
+    (tmp_path / "a_file").write_text("")
+    out = str(tmp_path / "a_file" / "tokens") if where == "under_a_file" else "/proc/aah-tokens"
+    corpus = text_file(tmp_path)
+    line = tool_error(capsys, "prepare_data", "--source", "files", "--paths", corpus, "--out", out)
+    assert line.startswith(f"aah-prepare: error: --out='{out}' cannot be created or written"), line
+
+
+def test_prepare_cache_dir_is_a_file(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    corpus = text_file(tmp_path)
+    line = tool_error(
+        capsys, "prepare_data", "--source", "files", "--paths", corpus, "--cache_dir", str(tmp_path / "a_file")
+    )
+    assert f"--cache_dir='{tmp_path / 'a_file'}' is a file, not a folder" in line
+
+
+def test_prepare_tokenizer_not_a_tokenizer(tmp_path, capsys):
+    tokenizer = latin1_file(tmp_path, "tokenizer.json")
+    corpus = text_file(tmp_path)
+    args = ["--source", "files", "--paths", corpus, "--tokenizer", tokenizer, "--out", str(tmp_path / "tokens")]
+    line = tool_error(capsys, "prepare_data", *args)
+    assert f"--tokenizer='{tokenizer}' is not a Hugging Face tokenizer.json" in line
+
+
+@pytest.mark.parametrize("case", ["missing", "a_file"])
+def test_prepare_verify_what_is_not_a_token_folder(tmp_path, capsys, case):
+    path = tmp_path / case
+    if case == "a_file":
+        path.write_text("")
+    line = tool_error(capsys, "prepare_data", "--verify", str(path))
+    assert line.startswith(f"aah-prepare: error: --verify='{path}'"), line

@@ -1,5 +1,6 @@
 """Two processes on CPU (gloo), through ``aah fit`` and the shipped configs: DDP and FSDP2 (ModelParallelStrategy) fit,
-checkpoint, are preempted and resume exactly; FSDP2 really shards; every rank keeps the same window table.
+checkpoint, are preempted (an exception, or SIGTERM) and resume exactly; FSDP2 really shards; every rank keeps the same
+window table.
 
 Each two-process run costs about 15 s, so the runs are shared: one uninterrupted DDP run is the reference for both
 the DDP and the FSDP2 resume (same data order, same mathematics: their losses agree to float tolerance)."""
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers.distributed import DDP, FSDP2, STEPS, check_ranks, fit, preempted_then_resumed
+from helpers.distributed import DDP, FSDP2, STEPS, check_ranks, fit, preempted_then_resumed, sigterm_then_resumed
 from helpers.resume import assert_same_training, read_run
 from helpers.tb import read_events
 
@@ -70,6 +71,22 @@ def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_re
     assert last.is_dir() and len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
     meta = torch.load(last / "meta.pt", weights_only=True)
     assert meta["global_step"] == STEPS and len(meta["aah_rng"]) == 2
+
+
+def test_ddp_sigterm_to_one_rank_stops_both_after_the_step_and_resumes_exactly(tmp_path, ddp_reference):
+    # Rank 1 alone is signalled (Lightning's launcher started it; rank 0 never hears of the signal): the ranks agree
+    # at the step boundary, rank 0 writes the checkpoint of that step.
+    sigterm_then_resumed(tmp_path, DDP, 1)
+    for rank in (0, 1):
+        assert_same_training(ddp_reference[rank], read_run(tmp_path / "rec", rank))
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == STEPS
+
+
+def test_fsdp2_sigterm_saves_every_shard_of_the_step_and_resumes_like_ddp(tmp_path, ddp_reference):
+    sigterm_then_resumed(tmp_path, FSDP2, 0, "--trainer.strategy.init_args.data_parallel_size=2")
+    for rank in (0, 1):
+        assert_same_training(ddp_reference[rank], read_run(tmp_path / "rec", rank), rel=1e-4)
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == STEPS
 
 
 def test_tensor_parallel_defaults_are_refused(tmp_path):

@@ -1,8 +1,8 @@
 """The SLURM batch script on a real one-node SLURM cluster (munged, slurmctld and slurmd from Debian's packages, started
 by ``tools/slurm_local.sh`` in a temporary folder): two ranks train under ``SLURMEnvironment``, a preemption
 (``scontrol requeue``) and the time-limit signal (``scancel --signal=USR1 --batch``) each requeue the job exactly once,
-every restart resumes from ``last.ckpt``, and the job ends COMPLETED with the weights of a job that was never
-interrupted, under DDP and FSDP2.
+SLURM's SIGTERM makes the tasks finish the step they are in and write its ``last.ckpt``, every restart resumes from
+that step, and the job ends COMPLETED with the weights of a job that was never interrupted, under DDP and FSDP2.
 
 Runs as root on Linux (the daemons and the jobs run as root). Installs the packages with apt-get when they are
 missing; where that is impossible the test fails rather than skipping."""
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.heavy
 SCRIPT = os.path.join(REPO, "configs", "cluster", "slurm.sbatch")
 SLURM_LOCAL = os.path.join(REPO, "tools", "slurm_local.sh")
 STEPS = 6
-PREEMPT_AT, TIME_LIMIT_AT = 2, 4  # the first run is preempted after step 2, the second signalled after step 4
+PREEMPT_AT, TIME_LIMIT_AT = 2, 4  # the first run is preempted inside step 3, the second signalled inside step 5
 
 
 # -- the cluster ------------------------------------------------------------------------------------------------------
@@ -235,7 +235,27 @@ class _Signals(threading.Thread):
             raise self.error
 
 
+class _Usr1(threading.Thread):
+    """Sends USR1 to a job's training tasks (``scancel --signal=USR1``: what ``--signal=USR1@300`` without ``B:`` does
+    before the time limit) or, with ``full``, to the batch shell and the tasks alike, at its first hold point."""
+
+    def __init__(self, env, job_id: str, run: str, full: bool):
+        super().__init__(daemon=True)
+        self.env, self.job_id, self.run_dir, self.full, self.error = env, job_id, run, full, None
+
+    def run(self):
+        try:
+            _wait(lambda: _held(self.run_dir, 0), "the first run to reach its hold point", self.run_dir)
+            full = ["--full"] if self.full else []
+            subprocess.run(["scancel", "--signal=USR1", *full, self.job_id], env=self.env, check=True)
+        except BaseException as err:
+            self.error = err
+
+    sent = _Signals.sent
+
+
 STRATEGIES = ["ddp", "fsdp2"]
+USR1_TARGETS = ["tasks", "full"]
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +269,11 @@ def jobs(slurm):
         signals = _Signals(slurm[0], *job)
         signals.start()
         submitted[strategy] = (ref, job, signals)
+    for target in USR1_TARGETS:  # DDP only: the signal path is the same under FSDP2
+        job = _submit(slurm, f"usr1-{target}", "ddp", hold_at=[PREEMPT_AT])
+        signals = _Usr1(slurm[0], *job, full=target == "full")
+        signals.start()
+        submitted[f"usr1-{target}"] = (job, signals)
     return submitted
 
 
@@ -267,14 +292,52 @@ def test_preempted_and_time_limited_jobs_requeue_and_resume_exactly(slurm, jobs,
     # One requeue per signal (the USR1 one by the batch script), then one run to the end.
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "2"), _logs(run)
     assert output.count("aah: time limit near, requeueing job") == 1, output[-3000:]
-    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT), (2, TIME_LIMIT_AT)):
+    # Each requeue's SIGTERM: the held step was finished and saved, rank 0 said so once.
+    stops = [line for line in output.splitlines() if line.startswith("aah: stopped by SIGTERM")]
+    assert [line.split(":")[1] for line in stops] == [
+        f" stopped by SIGTERM after step {PREEMPT_AT + 1}",
+        f" stopped by SIGTERM after step {TIME_LIMIT_AT + 1}",
+    ], output[-3000:]
+    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT + 1), (2, TIME_LIMIT_AT + 1)):
         for rank, start in enumerate(_starts(run, restart)):
             assert start["environment"] == "SLURMEnvironment" and start["world_size"] == 2, start
             assert start["procid"] == rank  # SLURM's task ids are Lightning's ranks
             assert start["auto_requeue"] is False  # the batch script requeues, not Lightning
-            assert start["step"] == resumed_from  # from last.ckpt: the work after it was lost
+            assert start["step"] == resumed_from  # from the last.ckpt written on SIGTERM: nothing was lost
 
     expected, got = _weights(ref), _weights(run)
     assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+@pytest.mark.parametrize("target", USR1_TARGETS)
+def test_usr1_to_the_training_tasks_requeues_once_and_resumes_exactly(slurm, jobs, target):
+    # The batch script traps USR1 (--signal=B:USR1@300). A site that sends it to the tasks instead, or to every
+    # process of the job, still gets one requeue and a resume from the step the signal interrupted.
+    env = slurm[0]
+    (job_id, run), signals = jobs[f"usr1-{target}"]
+    signals.sent()
+    job = _finished(env, job_id, run)
+    with open(os.path.join(run, f"slurm-{job_id}.out"), errors="replace") as f:
+        output = f.read()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), _logs(run)
+    shell_requeued = output.count("aah: time limit near, requeueing job")
+    stops = [line for line in output.splitlines() if line.startswith("aah: stopped by ")]
+    assert len(stops) == 1, output[-3000:]
+    if target == "tasks":  # the batch shell never saw the signal: rank 0 requeued the job after the save
+        assert shell_requeued == 0, output[-3000:]
+        assert stops[0].startswith(f"aah: stopped by SIGUSR1 (SLURM's requeue signal) after step {PREEMPT_AT + 1}: ")
+        assert stops[0].endswith(f"SLURM job {job_id} requeued: it starts again and resumes from this checkpoint")
+    else:  # the batch shell requeued at once; the tasks' SIGTERM (or their own requeue's refusal) made no second one
+        assert shell_requeued == 1, output[-3000:]
+        assert f"after step {PREEMPT_AT + 1}: " in stops[0], stops
+    for restart, resumed_from in ((0, 0), (1, PREEMPT_AT + 1)):
+        for start in _starts(run, restart):
+            assert start["step"] == resumed_from and start["auto_requeue"] is False, start
+
+    ref = jobs["ddp"][0][1]
+    _finished(env, jobs["ddp"][0][0], ref)
+    expected, got = _weights(ref), _weights(run)
     for key in expected:
         assert torch.equal(expected[key], got[key]), key

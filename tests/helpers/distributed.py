@@ -50,11 +50,16 @@ def cpu_config(folder) -> str:
     return str(folder / "cpu.yaml")
 
 
-def fit(folder, configs: list[str], *extra: str, expect_ok=True) -> subprocess.CompletedProcess:
+def fit_command(folder, configs: list[str], *extra: str) -> list[str]:
+    """``aah fit`` of the configs, on the CPU overrides, with the Recorder writing to ``{folder}/rec``."""
     args = [PYTHON, "-m", "aah_lightning", "fit"]
     for c in [*configs, cpu_config(folder)]:
         args += ["--config", c if os.path.isabs(c) else os.path.join(REPO, c)]
-    args += ["--trainer.callbacks+=helpers.resume.Recorder", f"--trainer.callbacks.folder={folder}/rec", *extra]
+    return args + ["--trainer.callbacks+=helpers.resume.Recorder", f"--trainer.callbacks.folder={folder}/rec", *extra]
+
+
+def fit(folder, configs: list[str], *extra: str, expect_ok=True) -> subprocess.CompletedProcess:
+    args = fit_command(folder, configs, *extra)
     proc = subprocess.run(args, env=subprocess_env(), cwd=folder, capture_output=True, text=True, timeout=600)
     if expect_ok:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -71,6 +76,21 @@ def preempted_then_resumed(folder, configs, *extra):
         expect_ok=False,
     )
     assert proc.returncode != 0 and "simulated preemption" in proc.stderr, proc.stderr[-4000:]
+    fit(folder, configs, *extra, "--ckpt_path=last")
+
+
+def sigterm_then_resumed(folder, configs, rank: int, *extra):
+    """SIGTERM to rank ``rank`` alone, inside the accumulation window of step INTERRUPT_AT + 1: every rank finishes that
+    step, last.ckpt holds it, rank 0 says so in one line, the exit code is 143. Then ``--ckpt_path last``."""
+    from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
+
+    os.makedirs(folder, exist_ok=True)
+    command = fit_command(folder, configs, *extra, *hold_args(folder, INTERRUPT_AT, rank=rank))
+    code, stderr = run_and_sigterm(command, folder, subprocess_env())
+    lines = sigterm_lines(stderr)
+    assert code == 143 and len(lines) == 1, stderr[-4000:]
+    assert lines[0].startswith(f"aah: stopped by SIGTERM after step {INTERRUPT_AT + 1}: its checkpoint is "), lines
+    assert "Traceback" not in stderr, stderr[-4000:]
     fit(folder, configs, *extra, "--ckpt_path=last")
 
 

@@ -8,13 +8,15 @@ import time
 
 import lightning as L
 
+from aah_lightning.lit.checkpointing import LastCheckpoint
+
 TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start processes
 
 
 class SlurmProbe(L.Callback):
     """Inside the job: records how each rank of each run started, and holds the run in the middle of an accumulation
-    window after step ``hold_at[r]`` (r = the job's restart count) until SLURM stops it, so the test can signal the
-    job at a known point."""
+    window after step ``hold_at[r]`` (r = the job's restart count) until SLURM's SIGTERM (or USR1) reaches the rank, so
+    the test can signal the job at a known point. Released, the rank finishes that step, writes last.ckpt and stops."""
 
     def __init__(self, folder: str, hold_at: list[int]):
         self.folder, self.hold_at = folder, hold_at
@@ -43,7 +45,9 @@ class SlurmProbe(L.Callback):
             return
         self._write(f"held.{self.restart}.rank{trainer.global_rank}.json", {"step": trainer.global_step})
         deadline = time.monotonic() + TIMEOUT
-        while not trainer.received_sigterm:  # SLURM ends a requeued job's tasks with SIGTERM; Lightning stops then
+        stop = next(cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint))
+        # SLURM ends a requeued job's tasks with SIGTERM, or sends them USR1: the run stops after this step.
+        while stop.sigterms + stop.requeue_signals == 0:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"held after step {trainer.global_step} and never stopped")
             time.sleep(0.1)

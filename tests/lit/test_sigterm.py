@@ -1,0 +1,59 @@
+"""SIGTERM to ``aah fit`` (a preemption, ``kill``, ``scontrol requeue``): the step in progress is finished, that step's
+``last.ckpt`` is written, one line says how to resume, the exit code is 143, a second SIGTERM during the save changes
+nothing, and ``--ckpt_path last`` continues exactly as a run that was never stopped. Two processes (DDP, FSDP2):
+tests/distributed/test_ddp_fsdp2.py; through SLURM: tests/distributed/test_slurm_real.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from aah_lightning.cli import main, sigterm_report
+from aah_lightning.lit.checkpointing import SignalStop, load_checkpoint_file
+from helpers.cli import PYTHON, subprocess_env
+from helpers.resume import INTERRUPT_AT, check_resumed, run_args
+from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
+
+pytestmark = pytest.mark.heavy
+
+
+def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_args):
+    main(run_args(tiny_args, tmp_path / "whole"))  # the reference: never stopped
+
+    parts = tmp_path / "parts"
+    # Held inside the accumulation window of step INTERRUPT_AT + 1 until the signal is in; a second SIGTERM arrives
+    # while the stop's checkpoint is being saved.
+    args = run_args(tiny_args, parts, *hold_args(parts, INTERRUPT_AT, second_at_save=True))
+    code, stderr = run_and_sigterm([PYTHON, "-m", "aah_lightning", *args], parts, subprocess_env(), True)
+    lines = sigterm_lines(stderr)
+    assert code == 143 and len(lines) == 1, stderr[-4000:]
+    step = INTERRUPT_AT + 1  # the step the signal came in was finished, not abandoned
+    last = parts / "ckpt" / "last.ckpt"
+    assert lines[0].startswith(
+        f"aah: stopped by SIGTERM after step {step}: its checkpoint is {last}; resume with: aah fit "
+    )
+    assert lines[0].endswith(" --ckpt_path last") and "--trainer.max_steps=8" in lines[0]
+    assert "Traceback" not in stderr
+    assert load_checkpoint_file(last)["global_step"] == step  # complete (checksums), and of that step
+
+    main(run_args(tiny_args, parts, "--ckpt_path=last"))
+    check_resumed(tmp_path)  # the same batches, tables, random draws and losses; the same final weights
+
+
+def test_the_line_names_the_command_to_resume_with():
+    stop = SignalStop(59, "runs/quickstart/checkpoints/last.ckpt")
+    argv = ["fit", "--config", "configs/quickstart.yaml", "--ckpt_path", "runs/x.ckpt", "--model.gpt.n_layer=2"]
+    assert sigterm_report(stop, argv) == (
+        "stopped by SIGTERM after step 59: its checkpoint is runs/quickstart/checkpoints/last.ckpt; resume with: "
+        "aah fit --config configs/quickstart.yaml --model.gpt.n_layer=2 --ckpt_path last"
+    )
+
+
+def test_the_line_after_slurms_requeue_signal_says_what_rank_0_did():
+    import signal
+
+    stop = SignalStop(7, "run/last.ckpt", signal.SIGUSR1, "SLURM job 42 requeued: it starts again and resumes from it")
+    assert stop.code == 138
+    assert sigterm_report(stop, ["fit"]) == (
+        "stopped by SIGUSR1 (SLURM's requeue signal) after step 7: its checkpoint is run/last.ckpt; SLURM job 42 "
+        "requeued: it starts again and resumes from it"
+    )
