@@ -42,15 +42,16 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(count or 1, MAX_WORKERS))
 
 
-def _shared_fixtures(item) -> list:
-    """The fixtures of tests/ (not this file's session settings) that ``item`` uses and that outlive one test."""
+def _shared_fixtures(item, here: str) -> list:
+    """The fixtures of tests/ that ``item`` uses and that outlive one test: not pytest's own (base id "") nor this
+    file's (base id ``here``; token_cache is every test's)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return []
     shared = []
-    for name in item.fixturenames:
+    for name in getattr(item, "fixturenames", ()):
         defs = info.name2fixturedefs.get(name)
-        if defs and defs[-1].scope != "function" and defs[-1].baseid not in ("", "tests"):
+        if defs and defs[-1].scope != "function" and defs[-1].baseid not in ("", here):
             shared.append(defs[-1])
     return shared
 
@@ -64,9 +65,10 @@ def pytest_collection_modifyitems(config, items):
             key = parent[key]
         return key
 
+    here = os.path.relpath(os.path.dirname(os.path.abspath(__file__)), config.rootpath).replace(os.sep, "/")
     uses = []
     for item in items:
-        keys = [f"{d.baseid}::{d.argname}" for d in _shared_fixtures(item)]
+        keys = [f"{d.baseid}::{d.argname}" for d in _shared_fixtures(item, here)]
         for key in keys[1:]:
             parent[root(key)] = root(keys[0])
         uses.append(keys)
