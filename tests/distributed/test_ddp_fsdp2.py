@@ -173,3 +173,73 @@ def test_window_table_check_catches_a_rank_that_differs():
     assert out[(False, 0)] == out[(False, 1)] == "ok"  # the same tables pass
     # A rank with another table: both ranks stop, at the step of the change, with the reason.
     assert all("differs between ranks" in out[(True, r)] and "step 2" in out[(True, r)] for r in (0, 1)), dict(out)
+
+
+# -- resuming on another number of processes ---------------------------------------------------------------------------
+def _step_rows(parts: list[tuple[int, list[list[dict]]]]) -> list[list[dict]]:
+    """The recorded micro-batches of each optimizer step, every rank's together. ``parts``: (steps, rows of each
+    rank) of the consecutive runs; a run of W ranks and accumulation A wrote A rows per step on each rank."""
+    steps = []
+    for n_steps, ranks in parts:
+        per_step = len(ranks[0]) // n_steps
+        steps += [[r for rows in ranks for r in rows[s * per_step : (s + 1) * per_step]] for s in range(n_steps)]
+    return steps
+
+
+@pytest.mark.parametrize("configs", [DDP, FSDP2], ids=["ddp", "fsdp2"])
+def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(tmp_path, ddp_reference, configs):
+    # 2 processes to step 1, 1 process to step 3, 2 processes to the end; the global batch (16 blocks) is kept by
+    # data.global_batch_size: accumulation 2, then 4, then 2. Interrupted at steps that are no validation steps.
+    from aah_lightning.lit.distributed import derived_rng_state, set_rng_state
+
+    def args(world):
+        extra = ["--data.global_batch_size=16", "--trainer.accumulate_grad_batches=1", f"--trainer.devices={world}"]
+        if configs is FSDP2:
+            extra.append(f"--trainer.strategy.init_args.data_parallel_size={world}")
+        return extra
+
+    def interrupted(world, at_step, *resume):
+        callback = ["--trainer.callbacks+=helpers.resume.Interrupt", f"--trainer.callbacks.at_step={at_step}"]
+        proc = fit(tmp_path, configs, *args(world), *callback, *resume, expect_ok=False)
+        assert proc.returncode != 0 and "simulated preemption" in proc.stderr, proc.stderr[-4000:]
+        return proc
+
+    runs = [interrupted(2, 1), interrupted(1, 3, "--ckpt_path=last")]
+    runs.append(fit(tmp_path, configs, *args(2), "--ckpt_path=last"))
+    assert not any("data layout" in p.stderr or "RNG states" in p.stderr for p in runs)  # an exact resume: no warning
+    rank0, rank1 = (read_run(tmp_path / "rec", r) for r in (0, 1))
+    assert len(rank0) == 2 + 8 + 6 and len(rank1) == 2 + 6
+    parts = _step_rows(
+        [(1, [rank0[:2], rank1[:2]]), (2, [rank0[2:10]]), (3, [rank0[10:], rank1[2:]])]  # 4 micro-batches of 4
+    )
+    whole = _step_rows([(STEPS, ddp_reference)])
+    assert len(parts) == len(whole) == STEPS
+    for step, (a, b) in enumerate(zip(whole, parts)):
+        # The same blocks in every optimizer step (in other micro-batches and ranks), the same window table.
+        assert sorted(i for r in a for i in r["index"]) == sorted(i for r in b for i in r["index"]), step
+        assert {str(r["table"]) for r in a} == {str(r["table"]) for r in b} and len({str(r["table"]) for r in b}) == 1
+        # The step's loss: the mean over its blocks (each row holds its micro-batch's mean / accumulation).
+        world_a, world_b = 2, 1 if 1 <= step < 3 else 2
+        loss_a, loss_b = sum(r["loss"] for r in a) / world_a, sum(r["loss"] for r in b) / world_b
+        assert loss_b == pytest.approx(loss_a, rel=1e-4), step
+    assert len({str(s[0]["table"]) for s in whole}) > 1  # the table changed during the run, in every part
+    # RNG: rank 0 continues saved rank 0's generators on one process; the new rank 1 starts from the state derived
+    # from the seed, its rank and the step.
+    assert rank0[2]["rand"] == ddp_reference[0][2]["rand"]
+    os.environ["PL_GLOBAL_SEED"], saved = "1234", os.environ.get("PL_GLOBAL_SEED")
+    try:
+        state = torch.get_rng_state()
+        set_rng_state(derived_rng_state(1, 3))
+        assert rank1[2]["rand"] == torch.rand(1).item()
+        torch.set_rng_state(state)
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED") if saved is None else os.environ.update(PL_GLOBAL_SEED=saved)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    if configs is DDP:
+        ckpt = torch.load(last, weights_only=True)
+        assert torch.equal(ckpt["state_dict"]["model.windows"], torch.tensor(whole[-1][0]["table"], dtype=torch.int32))
+        layout = ckpt["TextDataModule"]["layout"]
+    else:  # resharded twice: the folder holds one shard per rank of the last run
+        assert len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
+        layout = torch.load(last / "meta.pt", weights_only=True)["TextDataModule"]["layout"]
+    assert (layout["world_size"], layout["accumulate_grad_batches"]) == (2, 2)
