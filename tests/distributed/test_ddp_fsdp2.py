@@ -190,8 +190,6 @@ def _step_rows(parts: list[tuple[int, list[list[dict]]]]) -> list[list[dict]]:
 def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(tmp_path, ddp_reference, configs):
     # 2 processes to step 1, 1 process to step 3, 2 processes to the end; the global batch (16 blocks) is kept by
     # data.global_batch_size: accumulation 2, then 4, then 2. Interrupted at steps that are no validation steps.
-    from aah_lightning.lit.distributed import derived_rng_state, set_rng_state
-
     def args(world):
         extra = ["--data.global_batch_size=16", "--trainer.accumulate_grad_batches=1", f"--trainer.devices={world}"]
         if configs is FSDP2:
@@ -223,17 +221,6 @@ def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(
         loss_a, loss_b = sum(r["loss"] for r in a) / world_a, sum(r["loss"] for r in b) / world_b
         assert loss_b == pytest.approx(loss_a, rel=1e-4), step
     assert len({str(s[0]["table"]) for s in whole}) > 1  # the table changed during the run, in every part
-    # RNG: rank 0 continues saved rank 0's generators on one process; the new rank 1 starts from the state derived
-    # from the seed, its rank and the step.
-    assert rank0[2]["rand"] == ddp_reference[0][2]["rand"]
-    os.environ["PL_GLOBAL_SEED"], saved = "1234", os.environ.get("PL_GLOBAL_SEED")
-    try:
-        state = torch.get_rng_state()
-        set_rng_state(derived_rng_state(1, 3))
-        assert rank1[2]["rand"] == torch.rand(1).item()
-        torch.set_rng_state(state)
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED") if saved is None else os.environ.update(PL_GLOBAL_SEED=saved)
     last = tmp_path / "ckpt" / "last.ckpt"
     if configs is DDP:
         ckpt = torch.load(last, weights_only=True)
@@ -243,3 +230,17 @@ def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(
         assert len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
         layout = torch.load(last / "meta.pt", weights_only=True)["TextDataModule"]["layout"]
     assert (layout["world_size"], layout["accumulate_grad_batches"]) == (2, 2)
+
+
+def test_a_rank_without_a_saved_rng_state_derives_one_from_seed_rank_and_step(monkeypatch):
+    from aah_lightning.lit.distributed import derived_rng_state, rng_state
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
+    before = rng_state()
+    a, b = derived_rng_state(1, 3), derived_rng_state(1, 3)
+    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]  # the same on every resume
+    assert not torch.equal(a["torch"], derived_rng_state(2, 3)["torch"])  # another rank: another stream
+    assert not torch.equal(a["torch"], derived_rng_state(1, 4)["torch"])  # another step: another stream
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1235")
+    assert not torch.equal(a["torch"], derived_rng_state(1, 3)["torch"])  # another seed
+    assert torch.equal(rng_state()["torch"], before["torch"])  # the caller's generators are left as they were
