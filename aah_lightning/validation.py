@@ -16,7 +16,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from aah_lightning.checkpoint import LOG_FOLDER_KEY, check_matches, read_checkpoint
+from aah_lightning.checkpoint import DATAMODULE_STATE_KEY, LOG_FOLDER_KEY, check_matches, read_checkpoint
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import cuda_count, writable_folder
 from aah_lightning.lit.checkpointing import LastCheckpoint
@@ -82,8 +82,8 @@ def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> 
     check_matches(checkpoint, module, path)
 
 
-def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
-    """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
+def _saved_entry(path: str, key: str, weights_only: Optional[bool] = None):
+    """Entry ``key`` of checkpoint ``path`` (a file, or the ``meta.pt`` of a torch.distributed.checkpoint folder)."""
     if path in _LIGHTNING_KEYWORDS or "://" in str(path):
         return None
     if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
@@ -91,7 +91,12 @@ def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional
         checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}
     else:
         checkpoint = read_checkpoint(path, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
-    return checkpoint.get(LOG_FOLDER_KEY)
+    return checkpoint.get(key)
+
+
+def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
+    """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
+    return _saved_entry(path, LOG_FOLDER_KEY, weights_only)
 
 
 def check_schedule(trainer) -> None:
@@ -212,9 +217,15 @@ def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_o
     """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
     if stage == "fit":
+        if hasattr(datamodule, "resolve_accumulation"):  # data.global_batch_size sets the accumulation
+            datamodule.resolve_accumulation(trainer)
         check_schedule(trainer)
         check_checkpoint_folders(trainer)
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
         check_checkpoint(path, module, weights_only)
+        if stage == "fit" and hasattr(datamodule, "check_resume"):
+            saved = _saved_entry(path, DATAMODULE_STATE_KEY, weights_only)
+            if saved and "layout" in saved:
+                datamodule.check_resume(saved["layout"], trainer)
     return path

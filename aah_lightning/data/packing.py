@@ -99,34 +99,57 @@ def pack_stream(
 
 
 class EndlessSampler(Sampler[int]):
-    """Seeded permutations of the dataset, epoch after epoch, sharded across ranks, resumable by position.
+    """One global order of the blocks, the same for every number of ranks, cut into rank shards; resumable by position.
 
-    The global order is fixed by ``seed``: epoch ``e`` is ``randperm(n)`` drawn from ``seed + e``. Rank ``r`` of
-    ``world_size`` takes positions ``r, r + world_size, ...`` of each permutation (disjoint shards that together cover
-    the data; the last ``n mod world_size`` items of an epoch are dropped so every rank sees as many). ``start`` is the
-    number of items this rank has already consumed, so a resumed run continues with exactly the next items.
+    The global stream is the concatenation of seeded permutations: epoch ``e`` is ``randperm(n)`` drawn from
+    ``seed + e``, of which the first ``per_epoch`` entries are used (default all ``n``; epoch-based runs use whole
+    global batches only). Global position ``q`` is entry ``q mod per_epoch`` of epoch ``q // per_epoch`` and belongs
+    to rank ``q mod world_size``: rank ``r`` takes positions ``start + r, start + r + world_size, ...``. With a
+    per-rank batch ``B`` every micro-batch round of all ranks is a contiguous run of ``B * world_size`` positions, so an
+    optimizer step of global batch ``G`` consumes positions ``[step * G, (step + 1) * G)`` whatever the world size;
+    only which rank and micro-batch holds a block depends on it. ``start``: the number of global positions consumed
+    before this sampler's first item (a multiple of ``world_size``); ``length``: the items this rank yields.
+
+    ``epochs``: Lightning's training epoch is one permutation (epoch-based runs): ``set_epoch(e)`` moves ``start`` to
+    epoch ``e``'s first position unless it already lies in it (a run resumed inside epoch ``e``).
     """
 
-    def __init__(self, n: int, seed: int, length: int, rank: int = 0, world_size: int = 1, start: int = 0):
-        if n < world_size:
-            raise ValueError(f"{n} training blocks cannot be shared by {world_size} ranks")
-        self.n, self.seed, self.length = n, seed, length
+    def __init__(
+        self,
+        n: int,
+        seed: int,
+        length: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        per_epoch: int | None = None,
+        epochs: bool = False,
+    ):
+        per_epoch = n if per_epoch is None else per_epoch
+        if not 0 < per_epoch <= n or per_epoch < world_size:
+            raise ValueError(
+                f"{n} training blocks ({per_epoch} of them per epoch) cannot be shared by {world_size} ranks"
+            )
+        self.n, self.seed, self.length, self.per_epoch, self.epochs = n, seed, length, per_epoch, epochs
         self.rank, self.world_size, self.start = rank, world_size, start
-        self.per_rank = n // world_size
 
     def __len__(self) -> int:
         return self.length
 
-    def shard(self, epoch: int) -> torch.Tensor:
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The blocks of epoch ``epoch`` in their global order (its first ``per_epoch`` entries)."""
         g = torch.Generator().manual_seed(self.seed + epoch)
-        perm = torch.randperm(self.n, generator=g)
-        return perm[self.rank : self.per_rank * self.world_size : self.world_size]
+        return torch.randperm(self.n, generator=g)[: self.per_epoch]
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.epochs and self.start // self.per_epoch != epoch:
+            self.start = epoch * self.per_epoch
 
     def __iter__(self) -> Iterator[int]:
-        epoch, offset = divmod(self.start, self.per_rank)
-        left = self.length
+        q, left = self.start + self.rank, self.length
         while left > 0:
-            chunk = self.shard(epoch)[offset : offset + left].tolist()
+            epoch, offset = divmod(q, self.per_epoch)
+            chunk = self.permutation(epoch)[offset :: self.world_size][:left].tolist()
             yield from chunk
             left -= len(chunk)
-            epoch, offset = epoch + 1, 0
+            q += len(chunk) * self.world_size

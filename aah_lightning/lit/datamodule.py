@@ -84,6 +84,7 @@ class TextDataModule(L.LightningDataModule):
         source: Source = "stdlib",
         seq_len: int = 256,
         batch_size: int = 16,
+        global_batch_size: Optional[int] = None,
         tokenizer: str = "byte",
         paths: Optional[list[str]] = None,
         path: Optional[str] = None,
@@ -116,6 +117,9 @@ class TextDataModule(L.LightningDataModule):
                 (streamed), synthetic (copies at one distance) or recall (multi-query associative recall).
             seq_len: tokens per training sequence (blocks hold seq_len + 1).
             batch_size: sequences per batch and rank.
+            global_batch_size: sequences per optimizer step over all ranks; trainer.accumulate_grad_batches then
+                follows as global_batch_size / (batch_size x world size), which must be a whole number. None: set
+                trainer.accumulate_grad_batches yourself. Keeps the optimization the same on another number of GPUs.
             tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder. For
                 source=tokens, the tokenizer the folder was prepared with.
             paths: files or glob patterns for source=files (.txt, .jsonl/.json, .parquet).
@@ -154,6 +158,12 @@ class TextDataModule(L.LightningDataModule):
         require(source in SOURCES, "data.source", source, f"one of {', '.join(SOURCES)}")
         require(isinstance(seq_len, int) and seq_len > 0, "data.seq_len", seq_len, "a positive integer")
         require(isinstance(batch_size, int) and batch_size > 0, "data.batch_size", batch_size, "a positive integer")
+        require(
+            global_batch_size is None or (isinstance(global_batch_size, int) and global_batch_size > 0),
+            "data.global_batch_size",
+            global_batch_size,
+            "a positive integer (a multiple of data.batch_size x world size), or null",
+        )
         require(0.0 < val_fraction < 1.0, "data.val_fraction", val_fraction, "a number in (0, 1)")
         require(
             0.0 <= test_fraction < 1.0 - val_fraction,
@@ -204,6 +214,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = self.val_set = self.test_set = None
         self._source: dict | None = None  # the description of stdlib / files text (``_describe_source``)
         self._restored: dict | None = None  # the data state of the checkpoint being resumed
+        self._counts_restated = False  # Lightning's batch count restated for the restored layout (once)
         self._stream_position: dict = {}  # {worker id: position after the last block trained on} (streams)
 
     @property
@@ -277,6 +288,8 @@ class TextDataModule(L.LightningDataModule):
 
     # -- building the datasets -------------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
+        if stage == "fit" and self.trainer is not None:
+            self.resolve_accumulation(self.trainer)
         if self.train_set is not None or stage == "predict":  # predict reads only the prompts
             return
         hp = self.hparams
@@ -346,6 +359,37 @@ class TextDataModule(L.LightningDataModule):
         if self._restored is not None:
             self._apply_restored_stream(rank, world)
 
+    # -- the global batch ------------------------------------------------------------------------------------------
+    def resolve_accumulation(self, trainer) -> None:
+        """With ``data.global_batch_size``: set ``trainer.accumulate_grad_batches`` to global / (batch x world size).
+
+        Called before training starts (the CLI's preflight, and ``setup('fit')``); Lightning's loops read
+        ``trainer.accumulate_grad_batches`` at every batch, so setting it here is enough. Idempotent."""
+        hp = self.hparams
+        total = hp.global_batch_size
+        if total is None:
+            return
+        batch, world = hp.batch_size, trainer.world_size
+        round_ = batch * world  # blocks of one micro-batch on every rank
+        if total % round_:
+            low, high = max(round_, total // round_ * round_), (total // round_ + 1) * round_
+            raise ConfigError(
+                f"data.global_batch_size={total} is not allowed with data.batch_size={batch} on {world} process(es): "
+                f"a multiple of {round_} (data.batch_size x processes), e.g. {low} or {high}"
+            )
+        acc, given = total // round_, trainer.accumulate_grad_batches
+        if given not in (1, acc):
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={given} is not allowed with data.global_batch_size={total}: it "
+                f"follows from it ({total} / (data.batch_size={batch} x {world} processes) = {acc}); leave "
+                f"trainer.accumulate_grad_batches at 1, or unset data.global_batch_size"
+            )
+        trainer.accumulate_grad_batches = acc
+
+    def _global_batch(self) -> int:
+        """Blocks per optimizer step over all ranks."""
+        return self.hparams.batch_size * self._rank_world()[1] * self.trainer.accumulate_grad_batches
+
     # -- loaders ---------------------------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -353,39 +397,101 @@ class TextDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def _map_position(self) -> tuple[int, int]:
-        """(items this rank has consumed, items its loader must hold) for a map-style corpus.
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one training epoch of an epoch-based run (map-style data).
 
-        Positions follow from the restored loop state at optimizer-step boundaries (where checkpoints are written):
-        ``global_step * batch_size * accumulate_grad_batches``. The loader's length is what Lightning expects of it:
-        on a resume it restores its batch count and stops after ``len - count`` batches, so the loader keeps the
-        length of the uninterrupted run while its sampler starts at the position.
+        An epoch is one seeded permutation of the training blocks in whole global batches: ``n // global_batch``
+        steps; the last ``n mod global_batch`` blocks of each permutation are left out of that epoch. With
+        ``trainer.limit_train_batches``, Lightning's cut of the epoch (it steps on the last batch)."""
+        trainer = self.trainer
+        total = self._global_batch()
+        steps = len(self.train_set) // total
+        if steps == 0:
+            raise ConfigError(
+                f"the {len(self.train_set)} training blocks are fewer than one global batch of {total} "
+                f"(data.batch_size x processes x trainer.accumulate_grad_batches): an epoch-based run "
+                f"(trainer.max_steps=-1) needs at least one; use more data or a smaller batch"
+            )
+        acc = trainer.accumulate_grad_batches
+        batches, limit = steps * acc, getattr(trainer, "limit_train_batches", 1.0)
+        if isinstance(limit, int):
+            batches = min(batches, limit)
+        elif limit != 1.0:
+            batches = int(batches * limit)
+        return math.ceil(batches / acc)
+
+    def planned_steps(self) -> int | None:
+        """The run's optimizer steps (for the learning-rate schedule), known before the train loader is built, so
+        that Lightning does not build it before a resumed run's loop state is restored. None: ask Lightning."""
+        trainer = self.trainer
+        if trainer is None or isinstance(self.train_set, IterableDataset) or self.train_set is None:
+            return None
+        if trainer.max_steps > 0:
+            return trainer.max_steps
+        if trainer.max_epochs is None or trainer.max_epochs < 0:
+            return None
+        return self.steps_per_epoch() * max(trainer.max_epochs, 1)
+
+    def _map_position(self) -> tuple[int, int, int | None]:
+        """(global positions consumed, items this rank's loader must hold, positions per epoch or None) for a
+        map-style corpus.
+
+        The position is in global terms: ``global_step x global batch`` blocks of the global order
+        (``EndlessSampler``), whatever the world size; it follows from the restored loop state at optimizer-step
+        boundaries (where checkpoints are written). The loader's length is what Lightning expects of it: on a resume
+        it restores its batch count and stops after ``len - count`` batches, so the loader keeps the length of the
+        uninterrupted run while its sampler starts at the position.
         """
         hp, trainer = self.hparams, self.trainer
         if trainer is None:
-            return 0, len(self.train_set)
-        _, world = self._rank_world()
-        acc = trainer.accumulate_grad_batches
+            return 0, len(self.train_set), None
+        acc, total = trainer.accumulate_grad_batches, self._global_batch()
         if trainer.max_steps > 0:  # step-based: one Lightning epoch spans the whole run
-            per_step = hp.batch_size * acc
-            return trainer.global_step * per_step, trainer.max_steps * per_step
-        # Epoch-based: one pass of the shard per epoch (the last partial batch dropped); a step ends early at the
-        # epoch's end, as Lightning steps on the last batch.
-        per_rank = len(self.train_set) // world
-        batches = per_rank // hp.batch_size
-        steps_per_epoch = math.ceil(batches / acc)
-        epoch = trainer.current_epoch
-        done = min(batches, max(0, trainer.global_step - epoch * steps_per_epoch) * acc)
-        return epoch * per_rank + done * hp.batch_size, batches * hp.batch_size
+            return trainer.global_step * total, trainer.max_steps * hp.batch_size * acc, None
+        # Epoch-based: epoch e is permutation e in whole global batches (steps_per_epoch).
+        whole = len(self.train_set) // total  # steps of an epoch without limit_train_batches
+        steps, epoch = self.steps_per_epoch(), trainer.current_epoch
+        done = min(steps, max(0, trainer.global_step - epoch * steps))
+        return epoch * whole * total + done * total, whole * hp.batch_size * acc, whole * total
+
+    def _continue_batch_count(self) -> None:
+        """On a resume with another accumulation (the same global batch on another world size), restate Lightning's
+        restored count of this epoch's micro-batches in the new accumulation: it decides where optimizer steps fall
+        and when the loader is exhausted."""
+        saved = (self._restored or {}).get("layout")
+        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        if saved is None or loop is None or self._counts_restated:
+            return
+        self._counts_restated = True
+        old, new = saved["accumulate_grad_batches"], self.trainer.accumulate_grad_batches
+        if old == new:
+            return
+        for progress in (loop.batch_progress.current, loop.batch_progress.total):
+            steps, within = divmod(progress.ready, old)
+            if within:  # a checkpoint from inside an accumulation window: no step boundary to restate
+                continue
+            shift = steps * (new - old)
+            progress.ready += shift
+            progress.started += shift
+            progress.processed += shift
+            progress.completed += shift
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
+        self._continue_batch_count()
         if isinstance(self.train_set, IterableDataset):
             return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
         rank, world = self._rank_world()
-        consumed, length = self._map_position()
+        start, length, per_epoch = self._map_position()
         sampler = EndlessSampler(
-            len(self.train_set), hp.seed, length=max(0, length), rank=rank, world_size=world, start=consumed
+            len(self.train_set),
+            hp.seed,
+            length=max(0, length),
+            rank=rank,
+            world_size=world,
+            start=start,
+            per_epoch=per_epoch,
+            epochs=per_epoch is not None,
         )
         return PositionedLoader(
             self.train_set,
@@ -419,20 +525,56 @@ class TextDataModule(L.LightningDataModule):
         return prompt_loader(hp.prompts, self.tokenizer, hp.seq_len, hp.batch_size, *self._rank_world())
 
     # -- the data position in checkpoints ---------------------------------------------------------------------------
-    def _layout(self) -> dict:
-        """What the position means: a resume is exact only if these match."""
-        hp, trainer = self.hparams, self.trainer
+    def _layout(self, trainer=None) -> dict:
+        """What the position means. A map-style position is global: it continues on another world size, batch size
+        and accumulation as long as their product (the global batch) is the same; a stream's needs the same
+        processes and workers too (``check_resume``)."""
+        hp, trainer = self.hparams, trainer or self.trainer
         layout = {
             "source": hp.source,
             "seed": hp.seed,
             "batch_size": hp.batch_size,
             "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer else 1,
-            "world_size": self._rank_world()[1],
+            "world_size": trainer.world_size if trainer else 1,
             "num_workers": hp.num_workers if hp.source == "hub" else 0,
         }
         if self.train_set is not None and not isinstance(self.train_set, IterableDataset):  # permuted: this many
             layout["train_blocks"] = len(self.train_set)
         return layout
+
+    def check_resume(self, saved: dict, trainer=None) -> None:
+        """Refuse, in one line, a resume this data cannot continue: another global batch, or a stream read by
+        another number of processes or workers. Runs before the first step (the CLI's preflight, and
+        ``load_state_dict``)."""
+        now = self._layout(trainer)
+
+        def product(layout):
+            return layout["batch_size"] * layout["world_size"] * layout["accumulate_grad_batches"]
+
+        old, new = product(saved), product(now)
+        if old != new:
+            batch, world = now["batch_size"], now["world_size"]
+            if old % (batch * world) == 0:
+                fix = f"set data.global_batch_size={old} (or trainer.accumulate_grad_batches={old // (batch * world)})"
+            elif old % world == 0:
+                fix = f"set data.batch_size to a divisor of {old // world} and data.global_batch_size={old}"
+            else:
+                fix = f"use a number of processes that divides {old}, and data.global_batch_size={old}"
+            raise ConfigError(
+                f"the checkpoint was trained with a global batch of {old} blocks (data.batch_size="
+                f"{saved['batch_size']} x {saved['world_size']} processes x trainer.accumulate_grad_batches="
+                f"{saved['accumulate_grad_batches']}), this run's is {new} ({batch} x {world} x "
+                f"{now['accumulate_grad_batches']}): {fix} to resume it"
+            )
+        if now["source"] == "hub" and saved.get("source") == "hub":
+            readers = (saved["world_size"], saved["num_workers"])
+            if readers != (now["world_size"], now["num_workers"]):
+                raise ConfigError(
+                    f"the checkpoint holds stream positions of {readers[0]} process(es) with data.num_workers="
+                    f"{readers[1]}, this run has {now['world_size']} with {now['num_workers']}: positions in the "
+                    f"shards of a stream cannot be moved to another split without repeating or skipping documents; "
+                    f"resume on {readers[0]} process(es) with data.num_workers={readers[1]}, or start a new run"
+                )
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Streamed training batches carry their positions; keep the last one per worker, drop them from the batch.
@@ -459,9 +601,12 @@ class TextDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        self._restored = state
+        self._restored, self._counts_restated = state, False
+        self.check_resume(state["layout"])
         layout = self._layout()
-        changed = {k: (v, layout.get(k)) for k, v in state["layout"].items() if layout.get(k) != v}
+        # The world size, batch size and accumulation may change with the global batch kept (checked above).
+        free = ("world_size", "batch_size", "accumulate_grad_batches")
+        changed = {k: (v, layout.get(k)) for k, v in state["layout"].items() if k not in free and layout.get(k) != v}
         if changed:
             rank_zero_warn(
                 "resuming with another data layout ("
@@ -475,11 +620,9 @@ class TextDataModule(L.LightningDataModule):
         streams = (self._restored or {}).get("streams")
         if streams is None:
             return
-        if len(streams) != world:
-            rank_zero_warn(
-                f"the checkpoint holds stream positions of {len(streams)} ranks, this run has {world}: every rank "
-                f"restarts its shard from the beginning"
+        if len(streams) != world:  # check_resume refuses this before; a stream restarted here would repeat data
+            raise ConfigError(
+                f"the checkpoint holds stream positions of {len(streams)} processes, this run has {world}"
             )
-            return
         self._stream_position = dict(streams[rank])
         self.train_set.start = dict(streams[rank])

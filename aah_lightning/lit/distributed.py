@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -148,6 +149,20 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def derived_rng_state(rank: int, step: int) -> dict:
+    """The RNG state of a rank that a checkpoint has none for: Python, NumPy and torch (CUDA) generators seeded from
+    the run's seed (``seed_everything``: ``PL_GLOBAL_SEED``), the rank and the step, the same on every resume."""
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    seed = int(np.random.SeedSequence([base, rank, step]).generate_state(1)[0])
+    saved = rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also every CUDA device
+    state = rng_state()
+    set_rng_state(saved)
     return state
 
 

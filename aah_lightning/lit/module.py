@@ -329,7 +329,12 @@ class AAHModule(L.LightningModule):
     def configure_optimizers(self):
         cfg = self.optim_config
         opt = torch.optim.AdamW(self.parameter_groups(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
+        total = 1
+        if self.trainer is not None:
+            # The data module's count, when it knows one: Lightning's estimate builds the train loader of an
+            # epoch-based run now, before a resumed run's loop state (the data position) is restored.
+            planned = getattr(self.trainer.datamodule, "planned_steps", lambda: None)()
+            total = int(planned if planned is not None else self.trainer.estimated_stepping_batches)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, cfg.warmup_steps, total, cfg.min_lr_ratio)
         )
@@ -374,10 +379,10 @@ class AAHModule(L.LightningModule):
         self.policy.load_state_dict(checkpoint.get(POLICY_KEY, {}))
         self.window_usage.load_state_dict(checkpoint.get(WINDOW_USAGE_KEY))
         states = checkpoint.get(RNG_KEY)
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if states is not None and len(states) == world:
-            self._rng_to_restore = states[self.trainer.global_rank if self._trainer is not None else 0]
-        elif states is not None:
-            rank_zero_warn(
-                f"the checkpoint holds RNG states of {len(states)} ranks, this run has {world}: RNG states not restored"
-            )
+        if states is not None:
+            # Rank r continues saved rank r's generators; a rank the saved run did not have (a resume on more
+            # processes) starts from a state derived from the seed, its rank and the step. Saved states of ranks
+            # this run does not have are dropped.
+            rank = self.trainer.global_rank if self._trainer is not None else 0
+            step = int(checkpoint.get("global_step", 0))
+            self._rng_to_restore = states[rank] if rank < len(states) else distributed.derived_rng_state(rank, step)

@@ -94,6 +94,34 @@ def test_seq_len_not_positive(tmp_path, capsys):
 
 
 # -- data ------------------------------------------------------------------------------------------------------------
+def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumulation(tmp_path, capsys):
+    # tiny_config: data.batch_size=4 on one process
+    line = refuse(tmp_path, capsys, "--data.global_batch_size=6")
+    assert line == (
+        "aah: error: data.global_batch_size=6 is not allowed with data.batch_size=4 on 1 process(es): a multiple of 4 "
+        "(data.batch_size x processes), e.g. 4 or 8"
+    )
+    line = refuse(tmp_path, capsys, "--data.global_batch_size=8", "--trainer.accumulate_grad_batches=3")
+    assert line.startswith("aah: error: trainer.accumulate_grad_batches=3 is not allowed with data.global_batch_size=8")
+    assert "(8 / (data.batch_size=4 x 1 processes) = 2)" in line
+
+
+def test_a_stream_resumed_on_another_number_of_processes_is_refused():
+    from types import SimpleNamespace
+
+    data = TextDataModule(source="hub", hub_name="local/fake", batch_size=4)
+    saved = {"source": "hub", "seed": 1234, "batch_size": 4, "accumulate_grad_batches": 1, "world_size": 2}
+    one_process = SimpleNamespace(world_size=1, accumulate_grad_batches=2)  # the same global batch, 8
+    with pytest.raises(ConfigError) as e:
+        data.check_resume({**saved, "num_workers": 0}, one_process)
+    assert "\n" not in str(e.value) and str(e.value).startswith("the checkpoint holds stream positions of 2 process")
+    assert "resume on 2 process(es) with data.num_workers=0, or start a new run" in str(e.value)
+    two = SimpleNamespace(world_size=2, accumulate_grad_batches=1)
+    data.check_resume({**saved, "num_workers": 0}, two)  # the same split: continues
+    with pytest.raises(ConfigError, match="data.num_workers=2, this run has 2 with 0"):
+        data.check_resume({**saved, "num_workers": 2}, two)
+
+
 def test_empty_corpus(tmp_path, capsys):
     paths = f"[{text_file(tmp_path, 'empty.txt', '')}]"
     line = refuse(

@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from aah_lightning.data.corpora import stdlib_files
 from aah_lightning.data.packing import EndlessSampler, TokenBlocks, pack_stream
@@ -41,8 +42,71 @@ def test_sampler_shards_are_disjoint_cover_the_data_and_resume_exactly():
     assert not set(shards[0]) & set(shards[1])
     assert len(set(shards[0]) | set(shards[1])) == n - n % world
     whole = list(EndlessSampler(n, seed=3, length=250, rank=1, world_size=world))  # crosses several epochs
-    resumed = list(EndlessSampler(n, seed=3, length=250 - 77, rank=1, world_size=world, start=77))
+    resumed = list(EndlessSampler(n, seed=3, length=250 - 77, rank=1, world_size=world, start=77 * world))
     assert whole[77:] == resumed
+
+
+def _global_order(n, seed, epochs):
+    return [i for e in range(epochs) for i in torch.randperm(n, generator=torch.Generator().manual_seed(seed + e))]
+
+
+def test_one_process_keeps_the_order_of_seeded_epoch_permutations():
+    # The order every checkpoint written on one process was trained with: epoch e is randperm(n) from seed + e.
+    assert list(EndlessSampler(37, seed=5, length=100)) == [int(i) for i in _global_order(37, 5, 3)[:100]]
+
+
+def _steps(n, world, batch, acc, first_step, steps, seed=3):
+    """The blocks of each optimizer step on ``world`` ranks as the data module reads them (rank r's sampler from
+    global position first_step x global batch), keyed by the global position each rank and micro-batch stands for:
+    item k of micro-batch m of rank r in step s is position s G + m B W + k W + r."""
+    total = batch * world * acc
+    per_rank = [
+        list(EndlessSampler(n, seed, length=steps * batch * acc, rank=r, world_size=world, start=first_step * total))
+        for r in range(world)
+    ]
+    out = []
+    for s in range(steps):
+        step = {}
+        for r in range(world):
+            for m in range(acc):
+                for k in range(batch):
+                    position = (first_step + s) * total + m * batch * world + k * world + r
+                    step[position] = per_rank[r][(s * acc + m) * batch + k]
+        out.append(step)
+    return out
+
+
+def test_the_global_order_continues_on_another_world_size_over_an_epoch_boundary():
+    # 2 ranks, then 1, then 2 again, the global batch (8) kept: every optimizer step holds the same blocks as an
+    # uninterrupted 2-rank run. n = 30 is no multiple of 8, so epochs end inside steps 3 and 7.
+    n = 30
+    whole = _steps(n, world=2, batch=2, acc=2, first_step=0, steps=10)
+    parts = (
+        _steps(n, world=2, batch=2, acc=2, first_step=0, steps=3)
+        + _steps(n, world=1, batch=4, acc=2, first_step=3, steps=3)
+        + _steps(n, world=2, batch=4, acc=1, first_step=6, steps=4)
+    )
+    order = [int(i) for i in _global_order(n, 3, 3)]
+    for s in range(10):  # step s: global positions [8s, 8s + 8), whichever rank holds them
+        assert sorted(parts[s]) == list(range(8 * s, 8 * s + 8))
+        assert sorted(parts[s].values()) == sorted(whole[s].values()), s
+    trained = [b for step in parts for _, b in sorted(step.items())]
+    assert trained == order[:80]  # the global order, position for position
+    for e in range(2):  # epochs 0 and 1: every block exactly once
+        assert sorted(trained[e * n : (e + 1) * n]) == list(range(n))
+
+
+def test_epoch_based_sampler_moves_to_each_epoch_and_keeps_a_resumed_position():
+    n, per_epoch = 30, 24  # whole global batches of 8 per epoch
+    sampler = EndlessSampler(n, 3, length=per_epoch, start=0, per_epoch=per_epoch, epochs=True)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    second = list(sampler)
+    order = [int(i) for i in _global_order(n, 3, 2)]
+    assert first == order[:24] and second == order[30:54]  # epoch 1 is the next permutation, not epoch 0 again
+    resumed = EndlessSampler(n, 3, length=per_epoch, start=per_epoch + 8, per_epoch=per_epoch, epochs=True)
+    resumed.set_epoch(1)  # Lightning's call at the start of the resumed epoch keeps the position inside it
+    assert list(resumed)[:16] == second[8:]
 
 
 def test_byte_tokenizer_round_trip():

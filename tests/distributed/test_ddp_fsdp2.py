@@ -173,3 +173,74 @@ def test_window_table_check_catches_a_rank_that_differs():
     assert out[(False, 0)] == out[(False, 1)] == "ok"  # the same tables pass
     # A rank with another table: both ranks stop, at the step of the change, with the reason.
     assert all("differs between ranks" in out[(True, r)] and "step 2" in out[(True, r)] for r in (0, 1)), dict(out)
+
+
+# -- resuming on another number of processes ---------------------------------------------------------------------------
+def _step_rows(parts: list[tuple[int, list[list[dict]]]]) -> list[list[dict]]:
+    """The recorded micro-batches of each optimizer step, every rank's together. ``parts``: (steps, rows of each
+    rank) of the consecutive runs; a run of W ranks and accumulation A wrote A rows per step on each rank."""
+    steps = []
+    for n_steps, ranks in parts:
+        per_step = len(ranks[0]) // n_steps
+        steps += [[r for rows in ranks for r in rows[s * per_step : (s + 1) * per_step]] for s in range(n_steps)]
+    return steps
+
+
+@pytest.mark.parametrize("configs", [DDP, FSDP2], ids=["ddp", "fsdp2"])
+def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(tmp_path, ddp_reference, configs):
+    # 2 processes to step 1, 1 process to step 3, 2 processes to the end; the global batch (16 blocks) is kept by
+    # data.global_batch_size: accumulation 2, then 4, then 2. Interrupted at steps that are no validation steps.
+    def args(world):
+        extra = ["--data.global_batch_size=16", "--trainer.accumulate_grad_batches=1", f"--trainer.devices={world}"]
+        if configs is FSDP2:
+            extra.append(f"--trainer.strategy.init_args.data_parallel_size={world}")
+        return extra
+
+    def interrupted(world, at_step, *resume):
+        callback = ["--trainer.callbacks+=helpers.resume.Interrupt", f"--trainer.callbacks.at_step={at_step}"]
+        proc = fit(tmp_path, configs, *args(world), *callback, *resume, expect_ok=False)
+        assert proc.returncode != 0 and "simulated preemption" in proc.stderr, proc.stderr[-4000:]
+        return proc
+
+    runs = [interrupted(2, 1), interrupted(1, 3, "--ckpt_path=last")]
+    runs.append(fit(tmp_path, configs, *args(2), "--ckpt_path=last"))
+    assert not any("data layout" in p.stderr or "RNG states" in p.stderr for p in runs)  # an exact resume: no warning
+    rank0, rank1 = (read_run(tmp_path / "rec", r) for r in (0, 1))
+    assert len(rank0) == 2 + 8 + 6 and len(rank1) == 2 + 6
+    parts = _step_rows(
+        [(1, [rank0[:2], rank1[:2]]), (2, [rank0[2:10]]), (3, [rank0[10:], rank1[2:]])]  # 4 micro-batches of 4
+    )
+    whole = _step_rows([(STEPS, ddp_reference)])
+    assert len(parts) == len(whole) == STEPS
+    for step, (a, b) in enumerate(zip(whole, parts)):
+        # The same blocks in every optimizer step (in other micro-batches and ranks), the same window table.
+        assert sorted(i for r in a for i in r["index"]) == sorted(i for r in b for i in r["index"]), step
+        assert {str(r["table"]) for r in a} == {str(r["table"]) for r in b} and len({str(r["table"]) for r in b}) == 1
+        # The step's loss: the mean over its blocks (each row holds its micro-batch's mean / accumulation).
+        world_a, world_b = 2, 1 if 1 <= step < 3 else 2
+        loss_a, loss_b = sum(r["loss"] for r in a) / world_a, sum(r["loss"] for r in b) / world_b
+        assert loss_b == pytest.approx(loss_a, rel=1e-4), step
+    assert len({str(s[0]["table"]) for s in whole}) > 1  # the table changed during the run, in every part
+    last = tmp_path / "ckpt" / "last.ckpt"
+    if configs is DDP:
+        ckpt = torch.load(last, weights_only=True)
+        assert torch.equal(ckpt["state_dict"]["model.windows"], torch.tensor(whole[-1][0]["table"], dtype=torch.int32))
+        layout = ckpt["TextDataModule"]["layout"]
+    else:  # resharded twice: the folder holds one shard per rank of the last run
+        assert len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
+        layout = torch.load(last / "meta.pt", weights_only=True)["TextDataModule"]["layout"]
+    assert (layout["world_size"], layout["accumulate_grad_batches"]) == (2, 2)
+
+
+def test_a_rank_without_a_saved_rng_state_derives_one_from_seed_rank_and_step(monkeypatch):
+    from aah_lightning.lit.distributed import derived_rng_state, rng_state
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
+    before = rng_state()
+    a, b = derived_rng_state(1, 3), derived_rng_state(1, 3)
+    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]  # the same on every resume
+    assert not torch.equal(a["torch"], derived_rng_state(2, 3)["torch"])  # another rank: another stream
+    assert not torch.equal(a["torch"], derived_rng_state(1, 4)["torch"])  # another step: another stream
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1235")
+    assert not torch.equal(a["torch"], derived_rng_state(1, 3)["torch"])  # another seed
+    assert torch.equal(rng_state()["torch"], before["torch"])  # the caller's generators are left as they were

@@ -35,14 +35,16 @@ def cpu_config(folder) -> str:
             "gpt": {"n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False},
             "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
         },
-        # No test split: the block count these steps were sized on, so no epoch boundary falls inside a step (where
-        # the two ranks may then meet the same block, once in each epoch's permutation).
+        # No test split. 3 validation blocks (of 64) on 1 or 2 processes alike (held out: at least one per process),
+        # so the 61 training blocks, and their global order, are the same on either. The epoch boundary inside step 3
+        # falls where the two ranks' micro-batches do not meet the same block twice (check_ranks).
         "data": {
             "source": "synthetic",
             "seq_len": 32,
             "batch_size": 4,
             "synthetic_documents": 64,
             "test_fraction": 0.0,
+            "val_fraction": 0.05,
         },
     }
     os.makedirs(folder, exist_ok=True)

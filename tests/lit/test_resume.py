@@ -8,6 +8,7 @@ same steps. Extending a finished run (a larger max_steps) is the case where Ligh
 from __future__ import annotations
 
 import os
+import warnings
 
 import datasets
 import pytest
@@ -15,8 +16,10 @@ import torch
 
 from aah_lightning.cli import main
 from aah_lightning.data import corpora
+from aah_lightning.data.packing import EndlessSampler
 from aah_lightning.data.synthetic import synthetic_documents
-from helpers.resume import INTERRUPT_AT, STEPS, check_resumed, interrupted_then_resumed, run_args
+from aah_lightning.lit.datamodule import TextDataModule
+from helpers.resume import INTERRUPT_AT, STEPS, check_resumed, interrupted_then_resumed, read_run, run_args
 from helpers.tb import read_events
 
 
@@ -69,10 +72,43 @@ def test_streamed_resume_is_exact(tmp_path, tiny_args, monkeypatch):
     assert final["block"] == STEPS * 2 * 4 and final["pass"] >= 1  # and the stream started a second pass
 
 
-def test_resume_with_another_batch_size_warns(tmp_path, tiny_args):
-    main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=2"))
-    with pytest.warns(UserWarning, match="batch_size: 4 -> 2"):
+def test_a_resume_keeps_the_global_batch_and_refuses_another_in_one_line(tmp_path, tiny_args, capsys):
+    main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=2"))  # 4 blocks x 2 micro-batches
+    with pytest.raises(SystemExit) as e:
         main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=3", "--data.batch_size=2", "--ckpt_path=last"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("aah: error: the checkpoint was trained with a global batch of 8 blocks")
+    assert "set data.global_batch_size=8 (or trainer.accumulate_grad_batches=4)" in err[0]
+    # A fix it names continues the run (the same global batch in smaller micro-batches), without a warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(
+            run_args(
+                tiny_args,
+                tmp_path / "a",
+                "--trainer.max_steps=3",
+                "--data.batch_size=2",
+                "--trainer.accumulate_grad_batches=4",
+                "--ckpt_path=last",
+            )
+        )
+    assert not [w for w in caught if "data layout" in str(w.message)]
+    # Step 2 holds global positions 16-23 in four micro-batches of 2, optimizer steps falling every fourth.
+    rows = read_run(tmp_path / "a" / "rec")
+    assert [len(r["index"]) for r in rows] == [4] * 4 + [2] * 4 and [r["step"] for r in rows[4:]] == [2, 2, 2, 3]
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=64)
+    data.setup("fit")
+    order = EndlessSampler(len(data.train_set), seed=1234, length=24).permutation(0).tolist()
+    assert [i for r in rows for i in r["index"]] == order[:24]
+    saved = torch.load(tmp_path / "a/ckpt/last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3 and saved["TextDataModule"]["layout"]["accumulate_grad_batches"] == 4
+
+
+def test_resume_with_another_seed_warns(tmp_path, tiny_args):
+    main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=2"))
+    with pytest.warns(UserWarning, match="seed: 1234 -> 7"):
+        main(run_args(tiny_args, tmp_path / "a", "--trainer.max_steps=3", "--data.seed=7", "--ckpt_path=last"))
 
 
 # The checkpoint interval does not divide the first run's length: its last checkpoint is the final step's.
