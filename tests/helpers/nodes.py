@@ -21,13 +21,18 @@ _FOREIGN = ("SLURM_", "TORCHELASTIC_", "LSB_", "JSM_", "OMPI_", "PMI_", "PMIX_")
 _RANKS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE")
 
 
+def clean_env() -> dict:
+    """The environment for ``aah`` subprocesses, without any launcher's or cluster's variables."""
+    return {k: v for k, v in subprocess_env().items() if not k.startswith(_FOREIGN) and k not in _RANKS}
+
+
 def node_env(node_rank: int, port: int, nodes: int = 2) -> dict:
     """The environment of node ``node_rank``'s process (one process per node). ``LOCAL_RANK`` is what tells
     Lightning that the processes are created externally (it starts none itself); ``NODE_RANK`` and the trainer's
     ``num_nodes`` x ``devices`` give each process its global rank and the world size; ``MASTER_ADDR``/``MASTER_PORT``
     are node 0's address and a free port on it, where the process group meets. ``WORLD_SIZE`` is the whole job's
     process count, as a launcher sets it (Lightning computes it from the trainer's settings)."""
-    env = {k: v for k, v in subprocess_env().items() if not k.startswith(_FOREIGN) and k not in _RANKS}
+    env = clean_env()
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -68,6 +73,7 @@ class NodeProbe(L.Callback):
                 "num_nodes": trainer.num_nodes,
                 "pid": os.getpid(),
                 "cwd": os.getcwd(),
+                "slurm_node": os.environ.get("SLURMD_NODENAME"),  # the node SLURM started this task on, if any
                 "step": trainer.global_step,
             },
         )
