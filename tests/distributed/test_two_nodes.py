@@ -129,32 +129,33 @@ def reference(tmp_path_factory):
     return whole, runs
 
 
-def test_two_nodes_train_on_their_shares_one_dies_both_resume_exactly(tmp_path, reference):
+@pytest.mark.parametrize("victim", [1, 0])  # node 0 also hosts the rendezvous store (MASTER_ADDR:MASTER_PORT)
+def test_two_nodes_train_on_their_shares_one_dies_both_resume_exactly(tmp_path, reference, victim):
     whole, reference = reference
-    parts = tmp_path
+    parts, survivor = tmp_path, 1 - victim
 
-    # The same run; node 1's process is SIGKILLed inside step KILL_AT + 1, once last.ckpt holds step KILL_AT.
+    # The same run; the victim's process is SIGKILLed inside step KILL_AT + 1, once last.ckpt holds step KILL_AT.
     os.makedirs(parts / "killed", exist_ok=True)
-    procs = _start(parts, "killed", f"--trainer.callbacks.hold_at={KILL_AT}", "--trainer.callbacks.hold_node=1")
+    hold = [f"--trainer.callbacks.hold_at={KILL_AT}", f"--trainer.callbacks.hold_node={victim}"]
+    procs = _start(parts, "killed", *hold)
     try:
         held = parts / "killed" / "probe" / "held.json"
         deadline = time.monotonic() + TIMEOUT
         while not held.exists():
             assert all(p.poll() is None for p in procs), _stderr(parts, "killed")
-            assert time.monotonic() < deadline, "node 1 never reached step " + str(KILL_AT + 1)
+            assert time.monotonic() < deadline, f"node {victim} never reached step {KILL_AT + 1}"
             time.sleep(0.2)
-        assert json.loads(held.read_text())["pid"] == procs[1].pid  # Lightning started no process of its own
+        assert json.loads(held.read_text())["pid"] == procs[victim].pid  # Lightning started no process of its own
         saved = torch.load(parts / "ckpt" / "last.ckpt", weights_only=True)
         assert saved["global_step"] == KILL_AT
-        procs[1].send_signal(signal.SIGKILL)
+        procs[victim].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        assert procs[1].wait(timeout=TIMEOUT) == -signal.SIGKILL
-        # Node 0 is blocked in its next collective with node 1 (inside step KILL_AT + 1): gloo reports the closed
-        # connection and the process ends with an error by itself, no scheduler needed to end it.
-        code = procs[0].wait(timeout=TIMEOUT)
-        print(
-            f"node 0 ended {time.monotonic() - killed_at:.1f} s after node 1's kill, exit code {code}", file=sys.stderr
-        )
+        assert procs[victim].wait(timeout=TIMEOUT) == -signal.SIGKILL
+        # The survivor is blocked in its next collective with the victim (inside step KILL_AT + 1): gloo reports the
+        # closed connection and the process ends with an error by itself, no scheduler needed to end it.
+        code = procs[survivor].wait(timeout=TIMEOUT)
+        took = time.monotonic() - killed_at
+        print(f"node {survivor} ended {took:.1f} s after node {victim}'s kill, exit code {code}", file=sys.stderr)
     finally:
         for p in procs:
             if p.poll() is None:
