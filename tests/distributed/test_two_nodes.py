@@ -1,10 +1,19 @@
-"""Two nodes on one machine, started the way a cluster without SLURM starts them: one ``aah fit`` process per node
-(``trainer.num_nodes=2``, ``trainer.devices=1``, gloo on CPU), each with its own working directory and the
-environment of ``helpers.nodes.node_env`` (MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE). Lightning
-takes the processes as created externally, gives node n global rank n, and the two nodes train on disjoint blocks.
-One node is SIGKILLed after a checkpoint; the other ends by itself with an error; both started again with
-``--ckpt_path last`` resume from the checkpoint's step and finish with the losses and weights of an uninterrupted
-two-node run. Both nodes share one filesystem here (one machine): the checkpoint folder is the same path for both."""
+"""Two nodes on one machine, started the way a cluster starts them: one ``aah fit`` process per node
+(``trainer.num_nodes=2``, ``trainer.devices=1``, DDP over gloo on CPU).
+
+By hand: each process with its own working directory and the environment of ``helpers.nodes.node_env``
+(MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE). Lightning takes the processes as created externally
+(``LightningEnvironment``), gives node n global rank n, and the two nodes train on disjoint blocks. One node (node 1,
+or node 0, the rendezvous store's host) is SIGKILLed after a checkpoint; the other ends by itself with gloo's error;
+both started again with ``--ckpt_path last`` resume from the checkpoint's step and finish with the batches, losses
+and weights of an uninterrupted two-node run.
+
+Through SLURM: a local cluster of two nodes (``tools/slurm_local.sh start DIR --nodes 2``: two slurmd daemons on
+this machine) runs ``configs/cluster/slurm.sbatch`` with one task per node; the job trains like the launch by hand,
+node 1's task is SIGKILLed, srun ends the job (FAILED), and the script submitted again resumes and completes with the
+same weights. Needs root on Linux, like test_slurm_real.py.
+
+Both nodes share one filesystem here (one machine): the checkpoint folder is the same path for both."""
 
 from __future__ import annotations
 
