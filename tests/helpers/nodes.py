@@ -13,7 +13,9 @@ import lightning as L
 
 from helpers.cli import subprocess_env
 
-TIMEOUT = 300  # seconds for any one wait; a busy machine is slow to start processes
+# Seconds for any one wait: only a guard against a hang. On a machine whose cores are taken by higher-priority work
+# (the tests run niced next to experiments), starting two processes and training four tiny steps took over 300 s.
+TIMEOUT = 900
 
 # Variables that would make Lightning pick another cluster environment (SLURM, torchelastic, LSF, MPI) or that a
 # launcher of an enclosing job may have left: none of them reaches a node's process.
@@ -84,5 +86,5 @@ class NodeProbe(L.Callback):
         if not trainer.fit_loop._should_accumulate():
             return
         _write(os.path.join(self.folder, "held.json"), {"pid": os.getpid(), "step": trainer.global_step})
-        time.sleep(TIMEOUT)
+        time.sleep(2 * TIMEOUT)  # longer than the test waits for this file
         raise RuntimeError(f"held after step {self.hold_at} and never killed")
