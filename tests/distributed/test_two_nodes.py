@@ -37,7 +37,7 @@ from helpers.resume import assert_same_training, read_run
 pytestmark = pytest.mark.heavy
 
 NODES = 2
-KILL_AT = 3  # node 1 is killed inside optimizer step KILL_AT + 1; last.ckpt holds step KILL_AT
+KILL_AT = 3  # a node is killed inside optimizer step KILL_AT + 1; last.ckpt holds step KILL_AT
 
 
 def _free_port() -> int:
