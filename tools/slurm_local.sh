@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real SLURM cluster on this machine, one node or several, to try configs/cluster/slurm.sbatch before a cluster queue
-# (and for tests/distributed/test_slurm_real.py and test_slurm_two_nodes.py). Debian/Ubuntu, as root; nothing is
+# (and for tests/distributed/test_slurm_real.py and test_two_nodes.py). Debian/Ubuntu, as root; nothing is
 # installed as a service and nothing is written outside the folder given to `start`. docs/scaling.md.
 #   tools/slurm_local.sh install                # apt-get install munge, slurmctld, slurmd, slurm-client when missing
 #   tools/slurm_local.sh start DIR              # key, slurm.conf, munged + slurmctld + slurmd, all in DIR; waits for the node
