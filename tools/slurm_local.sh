@@ -10,8 +10,9 @@
 # Every node has as many CPUs as this machine, no GPUs. Ports: free ones, chosen at start (SLURM_LOCAL_PORTS="ctld d"
 # to fix them; with N nodes "ctld d0 ... dN-1"). Several nodes need a slurmd built with --enable-multiple-slurmd
 # (Debian's is: `scontrol show config` says MULTIPLE_SLURMD = Yes). Their names are this machine's short host name,
-# then NAME-1, NAME-2 ...: the first node of a job (node 0), whose name Lightning's SLURMEnvironment uses as
-# MASTER_ADDR, resolves to this machine; the others need not resolve (SLURM reaches every slurmd at 127.0.0.1).
+# then NAME-1, NAME-2 ...: a job on all of them lists NAME first, and Lightning's SLURMEnvironment takes a job's first
+# node name as MASTER_ADDR, so that one must resolve (it does, to this machine); the others need not (SLURM reaches
+# every slurmd at 127.0.0.1).
 set -euo pipefail
 
 die() { echo "slurm_local: $*" >&2; exit 1; }
