@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# A real one-node SLURM cluster on this machine, to try configs/cluster/slurm.sbatch before a cluster queue (and for
-# tests/distributed/test_slurm_real.py). Debian/Ubuntu, as root; nothing is installed as a service and nothing is written outside
-# the folder given to `start`. docs/scaling.md.
-#   tools/slurm_local.sh install        # apt-get install munge, slurmctld, slurmd, slurm-client when missing
-#   tools/slurm_local.sh start DIR      # key, slurm.conf, munged + slurmctld + slurmd, all in DIR; waits for the node
-#   export SLURM_CONF=DIR/slurm.conf    # then sbatch, squeue, scontrol ... talk to it
-#   tools/slurm_local.sh stop DIR       # stops the three daemons by the process ids in DIR/*.pid
-# The node has as many CPUs as this machine, no GPUs. Ports: free ones, chosen at start (SLURM_LOCAL_PORTS="ctld d"
-# to fix them).
+# A real SLURM cluster on this machine, one node or several, to try configs/cluster/slurm.sbatch before a cluster queue
+# (and for tests/distributed/test_slurm_real.py and test_two_nodes.py). Debian/Ubuntu, as root; nothing is
+# installed as a service and nothing is written outside the folder given to `start`. docs/scaling.md.
+#   tools/slurm_local.sh install                # apt-get install munge, slurmctld, slurmd, slurm-client when missing
+#   tools/slurm_local.sh start DIR              # key, slurm.conf, munged + slurmctld + slurmd, all in DIR; waits for the node
+#   tools/slurm_local.sh start DIR --nodes 2    # two nodes: one slurmd per node (`slurmd -N name`), each on its own port
+#   export SLURM_CONF=DIR/slurm.conf            # then sbatch, squeue, scontrol ... talk to it
+#   tools/slurm_local.sh stop DIR               # stops the daemons by the process ids in DIR/*.pid
+# Every node has as many CPUs as this machine, no GPUs. Ports: free ones, chosen at start (SLURM_LOCAL_PORTS="ctld d"
+# to fix them; with N nodes "ctld d0 ... dN-1"). Several nodes need a slurmd built with --enable-multiple-slurmd
+# (Debian's is: `scontrol show config` says MULTIPLE_SLURMD = Yes). Their names are this machine's short host name,
+# then NAME-1, NAME-2 ...: a job on all of them lists NAME first, and Lightning's SLURMEnvironment takes a job's first
+# node name as MASTER_ADDR, so that one must resolve (it does, to this machine); the others need not (SLURM reaches
+# every slurmd at 127.0.0.1).
 set -euo pipefail
 
 die() { echo "slurm_local: $*" >&2; exit 1; }
@@ -27,10 +32,10 @@ install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" > /dev/null
 }
 
-free_ports() {
-  python3 - <<'EOF'
-import socket
-socks = [socket.socket() for _ in range(2)]
+free_ports() {  # $1 of them
+  python3 - "$1" <<'EOF'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
@@ -47,11 +52,24 @@ wait_for() {
 }
 
 start() {
-  local dir host cpus ctld_port d_port
-  dir=$(mkdir -p "$1" && cd "$1" && pwd)
+  local dir=$1 nodes=$2 host cpus ctld_port d_ports names=() nodelines="" slurmd_files="slurmd" i
+  dir=$(mkdir -p "${dir}" && cd "${dir}" && pwd)
   host=$(hostname -s)
   cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the machine's CPUs (nproc would honour the OMP limits)
-  read -r ctld_port d_port <<< "${SLURM_LOCAL_PORTS:-$(free_ports)}"
+  read -r ctld_port d_ports <<< "${SLURM_LOCAL_PORTS:-$(free_ports $((nodes + 1)))}"
+  read -r -a d_ports <<< "${d_ports}"
+  [ ${#d_ports[@]} = "${nodes}" ] || die "SLURM_LOCAL_PORTS: give the slurmctld port and ${nodes} slurmd port(s)"
+  if [ "${nodes}" = 1 ]; then
+    names=("${host}")
+    nodelines="NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus} State=UNKNOWN"
+  else
+    # One slurmd per node on this host: each its own port, pid file, log and spool folder (%n: the node's name).
+    slurmd_files="slurmd-%n"
+    for ((i = 0; i < nodes; i++)); do
+      names+=("${host}$([ "${i}" = 0 ] || echo "-${i}")")
+      nodelines+="NodeName=${names[i]} NodeHostname=${host} NodeAddr=127.0.0.1 Port=${d_ports[i]} CPUs=${cpus} State=UNKNOWN"$'\n'
+    done
+  fi
   mkdir -p "${dir}/munge" "${dir}/state" "${dir}/spool" "${dir}/log"
   chmod 700 "${dir}/munge"
 
@@ -67,7 +85,7 @@ start() {
 ClusterName=local
 SlurmctldHost=${host}(127.0.0.1)
 SlurmctldPort=${ctld_port}
-SlurmdPort=${d_port}
+SlurmdPort=${d_ports[0]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -79,9 +97,9 @@ CredType=cred/munge
 StateSaveLocation=${dir}/state
 SlurmdSpoolDir=${dir}/spool/%n
 SlurmctldPidFile=${dir}/slurmctld.pid
-SlurmdPidFile=${dir}/slurmd.pid
+SlurmdPidFile=${dir}/${slurmd_files}.pid
 SlurmctldLogFile=${dir}/log/slurmctld.log
-SlurmdLogFile=${dir}/log/slurmd.log
+SlurmdLogFile=${dir}/log/${slurmd_files}.log
 SelectType=select/cons_tres
 # Cores are what jobs are given (memory is not counted), and a job that asks (sbatch --oversubscribe) may share them
 # with other such jobs: tests/distributed/test_slurm_real.py runs its four two-task jobs side by side on a small machine.
@@ -97,15 +115,19 @@ ReturnToService=2
 MinJobAge=3600
 # Job ids of two local clusters differ: Lightning derives the ranks' rendezvous port from the job id.
 FirstJobId=$((RANDOM % 9000 + 1000))
-NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus} State=UNKNOWN
+${nodelines}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
   export SLURM_CONF="${dir}/slurm.conf"
   # -i: ignore state a previous slurmctld may have left (there is none: StateSaveLocation is new).
   slurmctld -i
   wait_for "scontrol ping | grep -q UP" 60 || die "slurmctld did not start: ${dir}/log/slurmctld.log"
-  slurmd
-  wait_for "sinfo -h -N -o %t | grep -qx idle" 60 || die "node ${host} not idle: ${dir}/log/slurmd.log"
+  if [ "${nodes}" = 1 ]; then
+    slurmd
+  else
+    for name in "${names[@]}"; do slurmd -N "${name}"; done
+  fi
+  wait_for "[ \$(sinfo -h -N -t idle -o %N | wc -l) = ${nodes} ]" 60 || die "nodes ${names[*]} not idle: ${dir}/log"
   echo "slurm_local: running in ${dir}; export SLURM_CONF=${dir}/slurm.conf" >&2
 }
 
@@ -116,9 +138,9 @@ stop() {
     SLURM_CONF="${dir}/slurm.conf" scancel --full --user=root 2> /dev/null || true
     SLURM_CONF="${dir}/slurm.conf" wait_for "[ -z \"\$(squeue -h -t running,completing)\" ]" 60 || true
   fi
-  for name in slurmd slurmctld munged; do  # the node first, munge last: the others use it to the end
-    [ -f "${dir}/${name}.pid" ] || continue
-    pid=$(cat "${dir}/${name}.pid")
+  for name in "${dir}"/slurmd*.pid "${dir}/slurmctld.pid" "${dir}/munged.pid"; do  # nodes first, munge last
+    [ -f "${name}" ] || continue
+    pid=$(cat "${name}")
     kill "${pid}" 2> /dev/null || continue
     wait_for "! kill -0 ${pid}" 30 || kill -9 "${pid}" 2> /dev/null || true
   done
@@ -126,7 +148,17 @@ stop() {
 
 case "${1:-}" in
   install) install ;;
-  start) [ $# = 2 ] || die "usage: $0 start DIR"; install; start "$2" ;;
+  start)
+    if [ $# = 2 ]; then
+      nodes=1
+    elif [ $# = 4 ] && [ "$3" = --nodes ] && [[ "$4" =~ ^[1-9][0-9]*$ ]]; then
+      nodes=$4
+    else
+      die "usage: $0 start DIR [--nodes N]"
+    fi
+    install
+    start "$2" "${nodes}"
+    ;;
   stop) [ $# = 2 ] || die "usage: $0 stop DIR"; stop "$2" ;;
-  *) die "usage: $0 install | start DIR | stop DIR" ;;
+  *) die "usage: $0 install | start DIR [--nodes N] | stop DIR" ;;
 esac
