@@ -17,6 +17,8 @@ from helpers.distributed import DDP, FSDP2, STEPS, check_ranks, fit, preempted_t
 from helpers.resume import assert_same_training, read_run
 from helpers.tb import read_events
 
+pytestmark = pytest.mark.heavy  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
@@ -230,17 +232,3 @@ def test_resume_on_one_process_then_two_again_trains_like_the_uninterrupted_run(
         assert len([p for p in os.listdir(last) if p.endswith(".distcp")]) == 2
         layout = torch.load(last / "meta.pt", weights_only=True)["TextDataModule"]["layout"]
     assert (layout["world_size"], layout["accumulate_grad_batches"]) == (2, 2)
-
-
-def test_a_rank_without_a_saved_rng_state_derives_one_from_seed_rank_and_step(monkeypatch):
-    from aah_lightning.lit.distributed import derived_rng_state, rng_state
-
-    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
-    before = rng_state()
-    a, b = derived_rng_state(1, 3), derived_rng_state(1, 3)
-    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]  # the same on every resume
-    assert not torch.equal(a["torch"], derived_rng_state(2, 3)["torch"])  # another rank: another stream
-    assert not torch.equal(a["torch"], derived_rng_state(1, 4)["torch"])  # another step: another stream
-    monkeypatch.setenv("PL_GLOBAL_SEED", "1235")
-    assert not torch.equal(a["torch"], derived_rng_state(1, 3)["torch"])  # another seed
-    assert torch.equal(rng_state()["torch"], before["torch"])  # the caller's generators are left as they were

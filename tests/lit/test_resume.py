@@ -142,3 +142,17 @@ def test_a_resume_keeps_a_log_version_the_config_gives(tmp_path, tiny_args):
     main(tiny_args(*ARGS, steps=2))
     main(tiny_args(*ARGS, "--ckpt_path=last", "--trainer.logger.init_args.version=second_part", steps=3))
     assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == ["second_part", "version_0"]
+
+
+def test_a_rank_without_a_saved_rng_state_derives_one_from_seed_rank_and_step(monkeypatch):
+    from aah_lightning.lit.distributed import derived_rng_state, rng_state
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
+    before = rng_state()
+    a, b = derived_rng_state(1, 3), derived_rng_state(1, 3)
+    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]  # the same on every resume
+    assert not torch.equal(a["torch"], derived_rng_state(2, 3)["torch"])  # another rank: another stream
+    assert not torch.equal(a["torch"], derived_rng_state(1, 4)["torch"])  # another step: another stream
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1235")
+    assert not torch.equal(a["torch"], derived_rng_state(1, 3)["torch"])  # another seed
+    assert torch.equal(rng_state()["torch"], before["torch"])  # the caller's generators are left as they were
