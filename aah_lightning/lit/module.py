@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from aah_lightning.checkpoint import (
+    GLOBAL_STEP_KEY,
     HPARAMS_FORMAT,
     HPARAMS_FORMAT_ENTRY,
     HYPER_PARAMETERS_KEY,
@@ -384,5 +385,5 @@ class AAHModule(L.LightningModule):
             # processes) starts from a state derived from the seed, its rank and the step. Saved states of ranks
             # this run does not have are dropped.
             rank = self.trainer.global_rank if self._trainer is not None else 0
-            step = int(checkpoint.get("global_step", 0))
+            step = int(checkpoint.get(GLOBAL_STEP_KEY, 0))
             self._rng_to_restore = states[rank] if rank < len(states) else distributed.derived_rng_state(rank, step)
