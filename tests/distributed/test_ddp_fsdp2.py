@@ -13,7 +13,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers.distributed import DDP, FSDP2, STEPS, check_ranks, fit, preempted_then_resumed, sigterm_then_resumed
+from helpers.distributed import (
+    DDP,
+    FSDP2,
+    STEPS,
+    check_ranks,
+    fit,
+    free_port,
+    preempted_then_resumed,
+    sigterm_then_resumed,
+)
 from helpers.resume import assert_same_training, read_run
 from helpers.tb import read_events
 
@@ -164,11 +173,7 @@ def _table_check_worker(rank, world, port, out):
 
 
 def test_window_table_check_catches_a_rank_that_differs():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     # forked, not spawned: the ranks start with torch and the package already imported
     mp.start_processes(_table_check_worker, args=(2, port, out), nprocs=2, join=True, start_method="fork")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 import yaml
 
 from helpers.cli import PYTHON, REPO
-from helpers.distributed import STEPS, check_ranks, cpu_config
+from helpers.distributed import STEPS, check_ranks, cpu_config, free_port
 from helpers.nodes import TIMEOUT, clean_env, node_env
 from helpers.resume import assert_same_training, read_run
 
@@ -38,12 +37,6 @@ pytestmark = pytest.mark.heavy
 
 NODES = 2
 KILL_AT = 3  # a node is killed inside optimizer step KILL_AT + 1; last.ckpt holds step KILL_AT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _command(folder, run: str, *extra: str) -> list[str]:
@@ -76,7 +69,7 @@ def _callbacks(folder, run: str) -> list[str]:
 
 def _start(folder, run: str, *extra: str) -> list[subprocess.Popen]:
     """Both nodes' processes, node n in ``{folder}/node{n}`` with its stderr in ``{folder}/{run}/node{n}.err``."""
-    port = _free_port()
+    port = free_port()
     command = _command(folder, run, *extra)
     procs = []
     for node in range(NODES):

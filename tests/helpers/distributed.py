@@ -4,6 +4,7 @@ run preempted and resumed, and what every rank of a run must agree on."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import yaml
@@ -107,3 +108,10 @@ def check_ranks(runs):
         assert a["table"] == b["table"]  # one window table on every rank, at every step
         assert not set(a["index"]) & set(b["index"])  # each rank trains on its own blocks
     assert len({str(r["table"]) for r in r0}) > 1  # the table did change, before and after the interruption
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
