@@ -79,3 +79,26 @@ def pytest_collection_modifyitems(config, items):
         # Heavy tests first (xdist hands out the groups, largest first, then single tests in this order): a test of a
         # minute that starts last would leave the other workers idle at the end.
         items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
+_SPLIT_GROUPS = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+    """On a worker of ``--dist loadgroup``: every grouped test's id must carry its group (xdist's mark of a group).
+    Where a pytest / pytest-xdist pair drops it, the groups would silently be split across workers and every shared
+    fixture built again on each: those tests fail instead, saying why."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup")):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        session.config.stash[_SPLIT_GROUPS] = (
+            f"pytest-xdist did not mark {len(lost)} grouped tests with their xdist_group: this pytest / pytest-xdist "
+            "pair would split tests that share a fixture across workers; install the versions pyproject.toml's dev "
+            "extra allows"
+        )
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("xdist_group") and _SPLIT_GROUPS in item.config.stash:
+        pytest.fail(item.config.stash[_SPLIT_GROUPS], pytrace=False)

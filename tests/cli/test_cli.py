@@ -4,14 +4,14 @@ A smoke run shorter than the config's validation interval runs, validates once a
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 import warnings
 
 import pytest
 import torch
 
 from aah_lightning.cli import main
+from helpers.cli import REPO
 from helpers.tb import read_events
 
 
@@ -58,13 +58,11 @@ def test_validate_and_test_subcommands_use_a_checkpoint(tmp_path, tiny_args):
     assert "test/loss" in scalars and "test/ppl" in scalars
 
 
-def test_print_config_shows_linked_settings():
-    out = subprocess.run(
-        [sys.executable, "-m", "aah_lightning", "fit", "--config", "configs/quickstart.yaml", "--print_config"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_print_config_shows_linked_settings(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", os.path.join(REPO, "configs", "quickstart.yaml"), "--print_config"])
+    assert not exc.value.code
+    out = capsys.readouterr().out
     assert "policy: random" in out and "seq_len: 256" in out and "source: stdlib" in out
     assert "model:\n  gpt:\n    n_layer: 4\n" in out  # the GPT's settings, one group
 

@@ -2,8 +2,11 @@
 checkpoint, are preempted (an exception, or SIGTERM) and resume exactly; FSDP2 really shards; every rank keeps the same
 window table.
 
-Each two-process run costs about 15 s, so the runs are shared: one uninterrupted DDP run is the reference for both
-the DDP and the FSDP2 resume (same data order, same mathematics: their losses agree to float tolerance)."""
+The runs are shared: one uninterrupted DDP run, started by ``aah fit`` itself (Lightning's launcher starts the second
+rank, as on a workstation), is the reference for every DDP and FSDP2 resume (same data order, same mathematics: their
+losses agree to float tolerance). The other runs start their ranks as a launcher does, forked from a server that
+imported aah once (``helpers.launch``: each process would otherwise spend ~8 s importing torch and Lightning); the
+DDP SIGTERM test also uses Lightning's launcher."""
 
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from helpers.distributed import (
     STEPS,
     check_ranks,
     fit,
-    free_port,
     preempted_then_resumed,
     sigterm_then_resumed,
 )
+from helpers.launch import free_port
 from helpers.resume import assert_same_training, read_run
 from helpers.tb import read_events
 
@@ -32,7 +35,7 @@ pytestmark = pytest.mark.heavy  # every test here starts processes
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp_whole")
-    fit(folder, DDP)
+    fit(folder, DDP, lightning_launch=True)
     return [read_run(folder / "rec", r) for r in (0, 1)]
 
 
@@ -87,7 +90,7 @@ def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_re
 def test_ddp_sigterm_to_one_rank_stops_both_after_the_step_and_resumes_exactly(tmp_path, ddp_reference):
     # Rank 1 alone is signalled (Lightning's launcher started it; rank 0 never hears of the signal): the ranks agree
     # at the step boundary, rank 0 writes the checkpoint of that step.
-    sigterm_then_resumed(tmp_path, DDP, 1)
+    sigterm_then_resumed(tmp_path, DDP, 1, lightning_launch=True)
     for rank in (0, 1):
         assert_same_training(ddp_reference[rank], read_run(tmp_path / "rec", rank))
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == STEPS

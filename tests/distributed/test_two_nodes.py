@@ -28,9 +28,10 @@ import pytest
 import torch
 import yaml
 
-from helpers.cli import PYTHON, REPO
-from helpers.distributed import STEPS, check_ranks, cpu_config, free_port
-from helpers.nodes import TIMEOUT, clean_env, node_env
+from helpers.cli import REPO
+from helpers.distributed import STEPS, check_ranks, cpu_config
+from helpers.launch import aah_env, free_port, start_aah
+from helpers.nodes import TIMEOUT, node_env
 from helpers.resume import assert_same_training, read_run
 
 pytestmark = pytest.mark.heavy
@@ -40,12 +41,9 @@ KILL_AT = 3  # a node is killed inside optimizer step KILL_AT + 1; last.ckpt hol
 
 
 def _command(folder, run: str, *extra: str) -> list[str]:
-    """A node's ``aah fit``: the shipped DDP config, on the tiny CPU run of the two-process tests, on two nodes of one
-    device each; the Recorder writes to ``{folder}/{run}/rec``, the NodeProbe to ``{folder}/{run}/probe``."""
+    """A node's ``aah fit`` arguments: the shipped DDP config, on the tiny CPU run of the two-process tests, on two nodes
+    of one device each; the Recorder writes to ``{folder}/{run}/rec``, the NodeProbe to ``{folder}/{run}/probe``."""
     return [
-        PYTHON,
-        "-m",
-        "aah_lightning",
         "fit",
         "--config",
         os.path.join(REPO, "configs", "cluster", "ddp.yaml"),
@@ -67,16 +65,17 @@ def _callbacks(folder, run: str) -> list[str]:
     ]
 
 
-def _start(folder, run: str, *extra: str) -> list[subprocess.Popen]:
-    """Both nodes' processes, node n in ``{folder}/node{n}`` with its stderr in ``{folder}/{run}/node{n}.err``."""
+def _start(folder, run: str, *extra: str) -> list:
+    """Both nodes' processes (``helpers.launch``: forked from a server that imported aah), node n in
+    ``{folder}/node{n}`` with its output in ``{folder}/{run}/node{n}.err``."""
     port = free_port()
-    command = _command(folder, run, *extra)
+    argv = _command(folder, run, *extra)
     procs = []
     for node in range(NODES):
         cwd = os.path.join(folder, f"node{node}")
         os.makedirs(cwd, exist_ok=True)
-        with open(os.path.join(folder, run, f"node{node}.err"), "w") as err:
-            procs.append(subprocess.Popen(command, env=node_env(node, port, NODES), cwd=cwd, stdout=err, stderr=err))
+        output = os.path.join(folder, run, f"node{node}.err")
+        procs.append(start_aah(argv, node_env(node, port, NODES), cwd, output))
     return procs
 
 
@@ -195,7 +194,7 @@ def slurm(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a local SLURM cluster needs root (its daemons and jobs run as root; packages are installed)")
     folder = str(tmp_path / "slurm")
-    env = clean_env()  # SLURM and the job's Lightning set ranks and addresses themselves
+    env = aah_env()  # SLURM and the job's Lightning set ranks and addresses themselves
     env["SLURM_CONF"] = os.path.join(folder, "slurm.conf")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `aah` of this environment
     pids = []

@@ -4,12 +4,12 @@ run preempted and resumed, and what every rank of a run must agree on."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
 import yaml
 
 from helpers.cli import PYTHON, REPO, subprocess_env
+from helpers.launch import free_port, run_ranks
 
 STEPS, INTERRUPT_AT = 6, 3
 
@@ -53,17 +53,35 @@ def cpu_config(folder) -> str:
     return str(folder / "cpu.yaml")
 
 
-def fit_command(folder, configs: list[str], *extra: str) -> list[str]:
-    """``aah fit`` of the configs, on the CPU overrides, with the Recorder writing to ``{folder}/rec``."""
-    args = [PYTHON, "-m", "aah_lightning", "fit"]
+def fit_args(folder, configs: list[str], *extra: str) -> list[str]:
+    """``aah fit`` arguments for the configs, on the CPU overrides, with the Recorder writing to ``{folder}/rec``."""
+    args = ["fit"]
     for c in [*configs, cpu_config(folder)]:
         args += ["--config", c if os.path.isabs(c) else os.path.join(REPO, c)]
     return args + ["--trainer.callbacks+=helpers.resume.Recorder", f"--trainer.callbacks.folder={folder}/rec", *extra]
 
 
-def fit(folder, configs: list[str], *extra: str, expect_ok=True) -> subprocess.CompletedProcess:
-    args = fit_command(folder, configs, *extra)
-    proc = subprocess.run(args, env=subprocess_env(), cwd=folder, capture_output=True, text=True, timeout=600)
+def world_size(args: list[str]) -> int:
+    """The number of processes a run of ``args`` has: the last ``--trainer.devices=N``, else the CPU overrides' 2."""
+    given = [a.split("=", 1)[1] for a in args if a.startswith("--trainer.devices=")]
+    return int(given[-1]) if given else 2
+
+
+def fit(folder, configs: list[str], *extra: str, expect_ok=True, lightning_launch=False) -> subprocess.CompletedProcess:
+    """``aah fit`` on two processes (or ``--trainer.devices``), started as a launcher starts ranks, forked from the
+    pre-imported server (``helpers.launch``); ``lightning_launch``: one ``aah fit`` process that starts the other
+    ranks itself (Lightning's launcher, as on a workstation). The result: rank 0's exit code, every rank's output as
+    ``stderr`` (rank 0's first)."""
+    args = fit_args(folder, configs, *extra)
+    if lightning_launch:
+        command = [PYTHON, "-m", "aah_lightning", *args]
+        proc = subprocess.run(command, env=subprocess_env(), cwd=folder, capture_output=True, text=True, timeout=600)
+    else:
+        output_prefix = os.path.join(folder, "fit")
+        codes, output = run_ranks(args, world_size(args), free_port(), folder, output_prefix, timeout=600)
+        if expect_ok:
+            assert codes == [0] * len(codes), output[-4000:]
+        proc = subprocess.CompletedProcess(["aah", *args], codes[0], "", output)
     if expect_ok:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -82,14 +100,14 @@ def preempted_then_resumed(folder, configs, *extra):
     fit(folder, configs, *extra, "--ckpt_path=last")
 
 
-def sigterm_then_resumed(folder, configs, rank: int, *extra):
+def sigterm_then_resumed(folder, configs, rank: int, *extra, lightning_launch=False):
     """SIGTERM to rank ``rank`` alone, inside the accumulation window of step INTERRUPT_AT + 1: every rank finishes that
-    step, last.ckpt holds it, rank 0 says so in one line, the exit code is 143. Then ``--ckpt_path last``."""
+    step, last.ckpt holds it, rank 0 says so in one line, the exit code is 143. Then ``--ckpt_path last``.
+    ``lightning_launch``: the signalled run is one ``aah fit`` process that starts the other rank itself."""
     from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
 
-    os.makedirs(folder, exist_ok=True)
-    command = fit_command(folder, configs, *extra, *hold_args(folder, INTERRUPT_AT, rank=rank))
-    code, stderr = run_and_sigterm(command, folder, subprocess_env())
+    args = fit_args(folder, configs, *extra, *hold_args(folder, INTERRUPT_AT, rank=rank))
+    code, stderr = run_and_sigterm(args, folder, ranks=world_size(args), lightning_launch=lightning_launch)
     lines = sigterm_lines(stderr)
     assert code == 143 and len(lines) == 1, stderr[-4000:]
     assert lines[0].startswith(f"aah: stopped by SIGTERM after step {INTERRUPT_AT + 1}: its checkpoint is "), lines
@@ -108,10 +126,3 @@ def check_ranks(runs):
         assert a["table"] == b["table"]  # one window table on every rank, at every step
         assert not set(a["index"]) & set(b["index"])  # each rank trains on its own blocks
     assert len({str(r["table"]) for r in r0}) > 1  # the table did change, before and after the interruption
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

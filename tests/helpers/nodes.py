@@ -11,38 +11,20 @@ import time
 
 import lightning as L
 
-from helpers.cli import subprocess_env
+from helpers.launch import rank_env
 
 # Seconds for any one wait: only a guard against a hang. On a machine whose cores are taken by higher-priority work
 # (the tests run niced next to experiments), starting two processes and training four tiny steps took over 300 s.
 TIMEOUT = 900
 
-# Variables that would make Lightning pick another cluster environment (SLURM, torchelastic, LSF, MPI) or that a
-# launcher of an enclosing job may have left: none of them reaches a node's process.
-_FOREIGN = ("SLURM_", "TORCHELASTIC_", "LSB_", "JSM_", "OMPI_", "PMI_", "PMIX_")
-_RANKS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE")
-
-
-def clean_env() -> dict:
-    """The environment for ``aah`` subprocesses, without any launcher's or cluster's variables."""
-    return {k: v for k, v in subprocess_env().items() if not k.startswith(_FOREIGN) and k not in _RANKS}
-
 
 def node_env(node_rank: int, port: int, nodes: int = 2) -> dict:
-    """The environment of node ``node_rank``'s process (one process per node). ``LOCAL_RANK`` is what tells
-    Lightning that the processes are created externally (it starts none itself); ``NODE_RANK`` and the trainer's
-    ``num_nodes`` x ``devices`` give each process its global rank and the world size; ``MASTER_ADDR``/``MASTER_PORT``
-    are node 0's address and a free port on it, where the process group meets. ``WORLD_SIZE`` is the whole job's
-    process count, as a launcher sets it (Lightning computes it from the trainer's settings)."""
-    env = clean_env()
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NODE_RANK=str(node_rank),
-        LOCAL_RANK="0",
-        WORLD_SIZE=str(nodes),
-    )
-    return env
+    """The environment of node ``node_rank``'s process (one process per node): what a launcher sets
+    (``helpers.launch.rank_env``). ``LOCAL_RANK`` tells Lightning that the processes are created externally (it starts
+    none itself); ``NODE_RANK`` and the trainer's ``num_nodes`` x ``devices`` give each process its global rank and the
+    world size; ``MASTER_ADDR``/``MASTER_PORT`` are node 0's address and a free port on it, where the process group
+    meets."""
+    return rank_env(node_rank, nodes, port, nodes=nodes)
 
 
 def _write(path: str, record: dict) -> None:

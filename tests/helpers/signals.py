@@ -16,6 +16,8 @@ import time
 import lightning as L
 
 from aah_lightning.lit.checkpointing import LastCheckpoint
+from helpers.cli import PYTHON, subprocess_env
+from helpers.launch import aah_env, free_port, rank_env, start_aah
 
 TIMEOUT = 300  # seconds for any one wait; a busy machine is slow to start processes
 
@@ -74,35 +76,52 @@ def hold_args(folder, at_step: int, rank: int = 0, second_at_save: bool = False)
     ]
 
 
-def run_and_sigterm(command: list[str], folder, env, second_at_save: bool = False) -> tuple[int, str]:
-    """Start ``command`` (an ``aah fit`` with ``hold_args(folder, ...)``), send SIGTERM to the held rank's process once
-    it holds (and a second one once the stop's save holds), wait for the command to end. Returns (exit code, stderr)."""
+def run_and_sigterm(argv: list[str], folder, second_at_save=False, ranks=1, lightning_launch=False) -> tuple[int, str]:
+    """Start ``aah ARGV`` (an ``aah fit`` with ``hold_args(folder, ...)``) on ``ranks`` processes (``helpers.launch``;
+    ``lightning_launch``: one real ``aah`` process that starts the other ranks itself), send SIGTERM to the held
+    rank's process once it holds (and a second one once the stop's save holds), wait for every process to end.
+    Returns (rank 0's exit code, every process's output, rank 0's first)."""
     os.makedirs(folder, exist_ok=True)
     held, saving = os.path.join(folder, "held.json"), os.path.join(folder, "saving.json")
-    with open(os.path.join(folder, "stderr.txt"), "w+") as err:
-        proc = subprocess.Popen(command, env=env, cwd=folder, stdout=subprocess.DEVNULL, stderr=err)
-        try:
+    outputs = [os.path.join(folder, f"output.rank{r}.txt") for r in range(1 if lightning_launch else ranks)]
+    if lightning_launch:
+        with open(outputs[0], "w") as out:
+            command = [PYTHON, "-m", "aah_lightning", *argv]
+            procs = [subprocess.Popen(command, env=subprocess_env(), cwd=folder, stdout=out, stderr=out)]
+    else:
+        port = free_port()
+        envs = [aah_env()] if ranks == 1 else [rank_env(r, ranks, port) for r in range(ranks)]
+        procs = [start_aah(argv, env, folder, out) for env, out in zip(envs, outputs)]
 
-            def reached(path):
-                if proc.poll() is not None:
-                    err.seek(0)
-                    raise AssertionError(f"the run ended ({proc.returncode}) before {path}:\n{err.read()[-4000:]}")
-                return os.path.exists(path)
+    def output() -> str:
+        text = []
+        for path in outputs:
+            with open(path, errors="replace") as f:
+                text.append(f.read())
+        return "".join(text)
 
-            _wait(lambda: reached(held), "the run to hold")
-            with open(held) as f:
-                pid = json.load(f)["pid"]
+    def reached(path):
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a process ended ({p.returncode}) before {path}:\n{output()[-4000:]}")
+        return os.path.exists(path)
+
+    try:
+        _wait(lambda: reached(held), "the run to hold")
+        with open(held) as f:
+            pid = json.load(f)["pid"]
+        os.kill(pid, signal.SIGTERM)
+        if second_at_save:
+            _wait(lambda: reached(saving), "the stop's checkpoint save")
             os.kill(pid, signal.SIGTERM)
-            if second_at_save:
-                _wait(lambda: reached(saving), "the stop's checkpoint save")
-                os.kill(pid, signal.SIGTERM)
-            proc.wait(timeout=TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        return proc.returncode, err.read()
+        for p in procs:
+            p.wait(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return procs[0].returncode, output()
 
 
 def sigterm_lines(stderr: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import time
 
 import lightning as L
@@ -17,7 +16,8 @@ from aah_lightning.cli import main
 from aah_lightning.data.packing import EndlessSampler
 from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, load_checkpoint_file
 from aah_lightning.lit.datamodule import TextDataModule
-from helpers.cli import PYTHON, REPO, subprocess_env, tiny_config
+from helpers.cli import tiny_config
+from helpers.launch import aah_env, free_port, rank_env, run_ranks, start_aah
 
 
 class Recorder(L.Callback):
@@ -33,23 +33,18 @@ class Recorder(L.Callback):
 def test_sigkill_then_resume_from_last(tmp_path):
     config = tiny_config(tmp_path, trainer={"max_steps": 100000})
     ckpts = tmp_path / "ckpts"
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "aah_lightning", "fit", "--config", config],
-        env=subprocess_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    output = tmp_path / "output.txt"
+    proc = start_aah(["fit", "--config", config], aah_env(), tmp_path, output)
     try:
         deadline = time.time() + 300
         while not (ckpts / "last.ckpt").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert proc.poll() is None, output.read_text()[-2000:]
             assert time.time() < deadline, "no checkpoint appeared"
             time.sleep(0.05)
         time.sleep(random.uniform(0.0, 2.0))  # checkpoints are written every step: any moment will do
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
         proc.wait()
-        proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
 
     # Nothing truncated is left where a checkpoint should be (checksums verified, weights-only unpickling).
@@ -90,33 +85,27 @@ def test_sigkill_then_resume_from_last(tmp_path):
 def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     # Two processes on CPU (gloo) with the shipped FSDP2 config: last.ckpt is a folder of per-rank shards written by
     # both ranks. Killed at any moment, it names a complete checkpoint that resumes.
-    from helpers.distributed import FSDP2, cpu_config
+    from helpers.distributed import FSDP2, fit_args
 
-    config = cpu_config(tmp_path)
-    args = [PYTHON, "-m", "aah_lightning", "fit"]
-    for c in [*FSDP2, config]:
-        args += ["--config", c if os.path.isabs(c) else os.path.join(REPO, c)]
-    args += ["--trainer.strategy.init_args.data_parallel_size=2", "--trainer.val_check_interval=1000"]
+    args = fit_args(tmp_path, FSDP2, "--trainer.strategy.init_args.data_parallel_size=2")
+    args.append("--trainer.val_check_interval=1000")
     ckpts, last = tmp_path / "ckpt", tmp_path / "ckpt" / "last.ckpt"
-    proc = subprocess.Popen(
-        [*args, "--trainer.max_steps=100000"],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    port = free_port()
+    outputs = [tmp_path / f"output.rank{r}.txt" for r in (0, 1)]
+    procs = [
+        start_aah([*args, "--trainer.max_steps=100000"], rank_env(r, 2, port), tmp_path, outputs[r]) for r in (0, 1)
+    ]
     try:
         deadline = time.time() + 300
         while not last.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert all(p.poll() is None for p in procs), "".join(o.read_text()[-2000:] for o in outputs)
             assert time.time() < deadline, "no checkpoint appeared"
             time.sleep(0.05)
         time.sleep(random.uniform(0.0, 3.0))  # a checkpoint every step: the kill lands during a save or between
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # both ranks (the launcher and the process it started)
-        proc.wait()
-        proc.stderr.close()
+        for p in procs:  # both ranks
+            p.kill()
+            p.wait()
 
     # last.ckpt names a complete distributed checkpoint: its metadata, both shards and Lightning's meta.pt.
     assert last.is_symlink() and last.is_dir()
@@ -124,15 +113,15 @@ def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     step = torch.load(last / "meta.pt", weights_only=True)["global_step"]
     assert step >= 1
 
-    proc = subprocess.run(
+    codes, output = run_ranks(
         [*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+        2,
+        free_port(),
+        tmp_path,
+        tmp_path / "resumed",
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert codes == [0, 0], output[-4000:]
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == step + 2
     # One checkpoint folder behind the link, no temporary folder of the killed writer left.
     left = sorted(os.listdir(ckpts))

@@ -9,7 +9,6 @@ import pytest
 
 from aah_lightning.cli import main, sigterm_report
 from aah_lightning.lit.checkpointing import SignalStop, load_checkpoint_file
-from helpers.cli import PYTHON, subprocess_env
 from helpers.resume import INTERRUPT_AT, check_resumed, run_args
 from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
 
@@ -23,7 +22,7 @@ def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_a
     # Held inside the accumulation window of step INTERRUPT_AT + 1 until the signal is in; a second SIGTERM arrives
     # while the stop's checkpoint is being saved.
     args = run_args(tiny_args, parts, *hold_args(parts, INTERRUPT_AT, second_at_save=True))
-    code, stderr = run_and_sigterm([PYTHON, "-m", "aah_lightning", *args], parts, subprocess_env(), True)
+    code, stderr = run_and_sigterm(args, parts, second_at_save=True)
     lines = sigterm_lines(stderr)
     assert code == 143 and len(lines) == 1, stderr[-4000:]
     step = INTERRUPT_AT + 1  # the step the signal came in was finished, not abandoned
