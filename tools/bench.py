@@ -13,6 +13,8 @@ Sections:
   (c) AAH controller overhead at control_interval 50 (the ``adaptive`` policy, if this checkout has one).
   (d) mask rebuild time for a 12 x 12 window table at T=4096 (flex BlockMasks and banded plans).
   (e) compiled graphs added after warm-up while window values change (compiled flex).
+  (f) one attention layer with its projections, heads in groups by window (``split``): the plan gathering and
+      scattering q, k, v and outputs, against the layer reordering its weights instead (``head_groups``).
 
 Times are wall-clock medians over ``--repeats`` runs after warm-up, with the [min, max] spread. The machine may be
 shared: compare numbers from one run, and rerun on a quiet machine before recording.
@@ -323,6 +325,76 @@ def section_d(args, device) -> str:
     )
 
 
+# -- (f) heads in groups ---------------------------------------------------------------------------------------------
+class _Gathered:
+    """The plan without ``head_groups``: the layer hands it every head's q, k, v, and it gathers and scatters them."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k, v):
+        return self.plan(q, k, v)
+
+
+def section_f(args, device, dtype) -> str:
+    from aah_lightning.model import gpt
+    from aah_lightning.model.config import GPTConfig
+
+    H, D, B = args.heads, 64, args.batch
+    rows = []
+    for T in args.seq_lens:
+        g = torch.Generator().manual_seed(0)
+        row = window_mix(T, H)[torch.randperm(H, generator=g)]  # the mix spread over the heads, as a controller does
+        layer = gpt.CausalSelfAttention(GPTConfig(seq_len=T, n_head=H, n_embd=H * D)).to(device, dtype)
+        cos, sin = gpt.Rotary(D, 10000.0)(T, device, dtype)
+        x = torch.randn(B, T, H * D, generator=g).to(device, dtype).requires_grad_()
+        split_plan = AttentionPlanner().plans(row.view(1, -1).to(device), T, "split")[0]
+        plans = {
+            "sdpa causal (all heads full)": CausalPlan(tuple([T] * H), T),
+            "split, heads gathered and scattered": _Gathered(split_plan),
+            "split, weights reordered (head_groups)": split_plan,
+        }
+
+        def fwd_bwd(plan):
+            def run():
+                out = layer(x, cos, sin, plan)
+                out.backward(torch.ones_like(out))
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
+
+            return run
+
+        results = timeit({name: fwd_bwd(plan) for name, plan in plans.items()}, device, args.repeats)
+        causal, gathered = (
+            med(results["sdpa causal (all heads full)"]),
+            med(results["split, heads gathered and scattered"]),
+        )
+        for name, times in results.items():
+            rows.append(
+                [
+                    T,
+                    f"{B * T / (H * D):.1f}",
+                    name,
+                    fmt(times),
+                    f"{med(times) / causal:.3f}",
+                    f"{med(times) / gathered:.3f}",
+                ]
+            )
+        grouped = med(results["split, weights reordered (head_groups)"])
+        check(
+            f"(f) split layer, weights reordered <= 1.1 x heads gathered, T={T}, B={B}",
+            grouped / gathered,
+            1.1,
+            f"{grouped / gathered:.3f} x",
+        )
+    return md_table(
+        f"(f) one attention layer (qkv, attention, output projection) forward+backward, {H} heads of {D}, batch {B}, "
+        "the paper's window mix in random head order",
+        ["T", "tokens / feature", "plan", "ms median [min, max]", "/ sdpa causal", "/ gathered"],
+        rows,
+    )
+
+
 # -- (e) recompiles --------------------------------------------------------------------------------------------------
 def section_e(args, device, dtype) -> str:
     from torch._dynamo.utils import counters
@@ -390,7 +462,7 @@ def main(argv=None) -> None:
         choices=["wall", "cpu"],
         help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier",
     )
-    p.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ad'")
+    p.add_argument("--sections", default="abcdef", help="which sections to run, e.g. 'ad'")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--heads", type=int, default=20, help="(a): 20 heads give the paper's mix 13/2/2/3")
     p.add_argument("--batch", type=int, default=None, help="(a) batch; default 1 on CPU, 8 on CUDA")
@@ -424,6 +496,8 @@ def main(argv=None) -> None:
         emit(section_d(args, device))
     if "e" in args.sections:
         emit(section_e(args, device, dtype))
+    if "f" in args.sections:
+        emit(section_f(args, device, dtype))
     if SUMMARY:
         emit(md_table("targets", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")

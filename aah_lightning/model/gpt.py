@@ -65,13 +65,56 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        groups = getattr(plan, "head_groups", None)
+        order = None if groups is None else groups.order
+        q, k, v = self._qkv(x, order).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # under autocast q is bf16; keep it so
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # v is a strided view into the qkv output; inside a compiled block, CPU flex reads such a view wrongly
         # (pytorch#157612, q/k/v of one buffer). One copy per layer is cheap against attention.
-        y = plan(q, k, v.contiguous())
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        v = v.contiguous()
+        if groups is None:
+            y = plan(q, k, v)
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self._grouped(q, k, v, groups)
+
+    def _head_index(self, order: Tensor) -> Tensor:
+        """The feature indices ``h * D .. h * D + D - 1`` of the heads in ``order``, head after head."""
+        D = self.qkv.in_features // self.n_head
+        return (order.view(-1, 1) * D + torch.arange(D, device=order.device)).flatten()
+
+    def _qkv(self, x: Tensor, order: Tensor | None) -> Tensor:
+        """q, k and v of every head, ``[B, T, 3 * C]``; with ``order``, the heads come in that order: the projection's
+        weight rows are reordered (3C x C numbers), not its output (B x T x 3C)."""
+        if order is None:
+            return self.qkv(x)
+        C = self.qkv.in_features
+        rows = self._head_index(order)
+        rows = torch.cat([rows, rows + C, rows + 2 * C])
+        bias = None if self.qkv.bias is None else self.qkv.bias.index_select(0, rows)
+        return F.linear(x, self.qkv.weight.index_select(0, rows), bias)
+
+    def _grouped(self, q: Tensor, k: Tensor, v: Tensor, groups) -> Tensor:
+        """Heads in groups (q, k, v ``[B, H, T, D]`` already in the groups' order): each group's plan runs on its slice
+        of heads (a view), and the output projection adds the groups' outputs up through the matching columns of its
+        weight, so no activation is gathered, concatenated or scattered back."""
+        B, H, T, D = q.shape
+        weight = (
+            self.proj.weight
+            if groups.order is None
+            else self.proj.weight.index_select(1, self._head_index(groups.order))
+        )
+        out, start = None, 0
+        for size, part in zip(groups.sizes, groups.parts):
+            heads = slice(start, start + size)
+            y = part(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2).reshape(B * T, size * D)
+            w = weight[:, start * D : (start + size) * D].t()
+            if out is None:
+                out = y @ w if self.proj.bias is None else torch.addmm(self.proj.bias, y, w)
+            else:
+                out = torch.addmm(out, y, w)
+            start += size
+        return out.view(B, T, H * D)
 
 
 class MLP(nn.Module):

@@ -2,11 +2,11 @@
 checkpoint, are preempted (an exception, or SIGTERM) and resume exactly; FSDP2 really shards; every rank keeps the same
 window table.
 
-The runs are shared: one uninterrupted DDP run, started by ``aah fit`` itself (Lightning's launcher starts the second
-rank, as on a workstation), is the reference for every DDP and FSDP2 resume (same data order, same mathematics: their
-losses agree to float tolerance). The other runs start their ranks as a launcher does, forked from a server that
-imported aah once (``helpers.launch``: each process would otherwise spend ~8 s importing torch and Lightning); the
-DDP SIGTERM test also uses Lightning's launcher."""
+The runs are shared: one uninterrupted DDP run is the reference for every DDP and FSDP2 resume (same data order, same
+mathematics: their losses agree to float tolerance). The runs start their ranks as a launcher does, forked from a
+server that imported aah once (``helpers.launch``: each process would otherwise spend ~8 s importing torch and
+Lightning), except the DDP SIGTERM test's signalled run: one ``aah fit`` process whose second rank Lightning's own
+launcher starts, as on a workstation, and which must train like the reference all the same."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.heavy  # every test here starts processes
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp_whole")
-    fit(folder, DDP, lightning_launch=True)
+    fit(folder, DDP)
     return [read_run(folder / "rec", r) for r in (0, 1)]
 
 
@@ -52,8 +52,11 @@ def test_ddp_fit_checkpoint_preempt_resume_is_exact(tmp_path, ddp_reference):
 
 
 def test_fsdp2_shards_checkpoints_per_rank_and_resumes_like_ddp(tmp_path, ddp_reference):
-    # Also: the attention-mass probe (a no-grad forward on every rank) must work on a sharded model.
+    # Also: the attention-mass probe (a no-grad forward on every rank) must work on a sharded model; and the split
+    # backend, whose layers reorder their sharded weights by head group (full-window heads on causal SDPA, the others
+    # on banded), trains like the reference run's banded layers.
     extra = [
+        "--model.gpt.backend=split",
         "--trainer.strategy.init_args.data_parallel_size=2",
         "--model.gpt.activation_checkpointing=true",
         "--diagnostics.amc_every_n_steps=2",

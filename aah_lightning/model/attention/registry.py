@@ -14,6 +14,11 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   ``positions`` passed to ``GPT.forward``) and projects what it returns, ``[B, H, T, D]`` (the same shape as ``q``),
   back to the residual stream. A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
   the layer's own, so it must not write into them.
+* ``head_groups`` (optional, default None): a ``HeadGroups`` for a plan that runs its heads in groups, each group on
+  its own plan (``split``, ``varlen``). The layer then computes q, k, v with the heads in the groups' ``order`` by
+  reordering the rows of its projection weights, runs each group's plan on its slice of heads (a view), and adds the
+  groups' outputs up through the matching columns of the output projection: no activation is gathered or scattered.
+  ``plan(q, k, v)`` must still compute the whole layer's attention, for callers that hold every head's q, k, v.
 * ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
   defines it, even where ``model.gpt.compile_blocks`` compiled it - for plans whose Python state changes from call to
   call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
@@ -62,12 +67,23 @@ class Availability:
 AVAILABLE = Availability(True)
 
 
+@dataclass(frozen=True, eq=False)
+class HeadGroups:
+    """A layer's heads in groups: ``order`` (LongTensor ``[H]``, a permutation of the layer's heads; None: the layer's
+    own order), then consecutive groups of ``sizes[i]`` heads, each run by ``parts[i]``."""
+
+    order: Tensor | None
+    sizes: tuple[int, ...]
+    parts: tuple
+
+
 class Plan:
     """One layer's attention, ready to run (the contract: this module's docstring). Subclasses set ``kind`` and
     carry ``row`` (the layer's windows, ints) and ``seq_len``, and implement ``__call__``."""
 
     kind: str = "plan"
     eager: bool = False  # True: GPT.forward runs this layer's block uncompiled
+    head_groups: HeadGroups | None = None  # set: the layer runs the groups itself, moving weights, not activations
     row: tuple[int, ...]
     seq_len: int
 

@@ -2,10 +2,13 @@
 
 Heads whose window covers the sequence run SDPA's fused causal kernel (flash / cuDNN on a GPU, ~1.4x faster than
 flex's own causal kernel at head_dim 64); only the windowed heads go through a windowed kernel: compiled flex with
-the tuned kernel options on CUDA, banded on CPU. The heads are gathered into contiguous groups once per layer (one
-``index_select`` of q, k and v when the layer's heads are not already grouped), each group is a slice of the
-gathered tensors, and the outputs are concatenated and scattered back (one ``index_select``). With documents every
-head needs the document mask, so the windowed kernel runs all heads.
+the tuned kernel options on CUDA, banded on CPU. In the model the groups cost no activation copies
+(``head_groups``, the plan contract in registry.py): the attention layer computes q, k, v with the heads already in
+group order by reordering its projection's weight rows, each group is a slice of them, and the output projection
+adds the groups' outputs up through the matching weight columns. Called on a whole layer's q, k, v (the probe, tests),
+the plan gathers the heads into groups (one ``index_select`` of q, k and v when they are not already grouped),
+concatenates the groups' outputs and scatters them back. With documents every head needs the document mask, so the
+windowed kernel runs all heads.
 
 ``SplitPlan`` is the generic gather / run parts / scatter plan; the ``varlen`` backend builds one too.
 
@@ -24,7 +27,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model.attention import banded, flex
-from aah_lightning.model.attention.registry import Backend, Plan, get_backend, register
+from aah_lightning.model.attention.registry import Backend, HeadGroups, Plan, get_backend, register
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.window_math import TileCounts
 
@@ -65,6 +68,11 @@ class SplitPlan(Plan):
     sizes: tuple[int, ...]
     parts: tuple[Plan, ...]
     kind = "split"
+
+    @property
+    def head_groups(self) -> HeadGroups:
+        """What the attention layer runs instead of ``__call__`` (no gather, concatenation or scatter of activations)."""
+        return HeadGroups(self.order, self.sizes, self.parts)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.order is not None:
