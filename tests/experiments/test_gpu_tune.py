@@ -23,6 +23,15 @@ def test_gpu_tune_smoke_writes_one_report(tmp_path, capsys, monkeypatch):
     for T in (128, 256):
         for plan in ("sdpa causal", "split", "banded"):
             assert {(T, plan, kind) for kind in ("fwd", "fwd+bwd", "bwd")} <= timed
+    # Each plan's time against SDPA causal, the fastest causal kernel measured (SDPA here: flex has no CPU backward)
+    # and its own tiling: tiles computed / causal tiles, from the plan's tile counts.
+    for r in results["attention"]:
+        if "ratio" in r:
+            assert r["vs_fastest_causal"] == pytest.approx(r["ratio"])
+            assert r["per_density"] == pytest.approx(r["ratio"] / r["realized_density"])
+            assert 0 < r["realized_density"] <= 1
+            assert r["plan"] != "sdpa causal" or r["realized_density"] == 1
+    assert "/ fastest causal | tile density | / (SDPA causal x density)" in out
     assert sorted(r["plan"] for r in results["parity"]) == ["banded", "split"]
     assert all(r["passed"] for r in results["parity"])
     assert {r["variant"] for r in results["end_to_end"]} == {"full causal", "AAH, banded", "AAH, split"}
