@@ -78,6 +78,11 @@ class PositionedLoader(DataLoader):
         pass
 
 
+def global_batch(layout: dict) -> int:
+    """Blocks per optimizer step over all ranks, of a data layout (``TextDataModule._layout``, or a checkpoint's)."""
+    return layout["batch_size"] * layout["world_size"] * layout["accumulate_grad_batches"]
+
+
 class TextDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -388,7 +393,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _global_batch(self) -> int:
         """Blocks per optimizer step over all ranks."""
-        return self.hparams.batch_size * self._rank_world()[1] * self.trainer.accumulate_grad_batches
+        return global_batch(self._layout())
 
     # -- loaders ---------------------------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -547,11 +552,7 @@ class TextDataModule(L.LightningDataModule):
         another number of processes or workers. Runs before the first step (the CLI's preflight, and
         ``load_state_dict``)."""
         now = self._layout(trainer)
-
-        def product(layout):
-            return layout["batch_size"] * layout["world_size"] * layout["accumulate_grad_batches"]
-
-        old, new = product(saved), product(now)
+        old, new = global_batch(saved), global_batch(now)
         if old != new:
             batch, world = now["batch_size"], now["world_size"]
             if old % (batch * world) == 0:

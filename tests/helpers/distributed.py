@@ -8,8 +8,8 @@ import subprocess
 
 import yaml
 
-from helpers.cli import PYTHON, REPO, subprocess_env
-from helpers.launch import free_port, run_ranks
+from helpers.cli import REPO
+from helpers.launch import run_ranks
 
 STEPS, INTERRUPT_AT = 6, 3
 
@@ -67,24 +67,15 @@ def world_size(args: list[str]) -> int:
     return int(given[-1]) if given else 2
 
 
-def fit(folder, configs: list[str], *extra: str, expect_ok=True, lightning_launch=False) -> subprocess.CompletedProcess:
+def fit(folder, configs: list[str], *extra: str, expect_ok=True) -> subprocess.CompletedProcess:
     """``aah fit`` on two processes (or ``--trainer.devices``), started as a launcher starts ranks, forked from the
-    pre-imported server (``helpers.launch``); ``lightning_launch``: one ``aah fit`` process that starts the other
-    ranks itself (Lightning's launcher, as on a workstation). The result: rank 0's exit code, every rank's output as
-    ``stderr`` (rank 0's first)."""
+    pre-imported server (``helpers.launch``). The result: rank 0's exit code, every rank's output as ``stderr`` (rank
+    0's first)."""
     args = fit_args(folder, configs, *extra)
-    if lightning_launch:
-        command = [PYTHON, "-m", "aah_lightning", *args]
-        proc = subprocess.run(command, env=subprocess_env(), cwd=folder, capture_output=True, text=True, timeout=600)
-    else:
-        output_prefix = os.path.join(folder, "fit")
-        codes, output = run_ranks(args, world_size(args), free_port(), folder, output_prefix, timeout=600)
-        if expect_ok:
-            assert codes == [0] * len(codes), output[-4000:]
-        proc = subprocess.CompletedProcess(["aah", *args], codes[0], "", output)
+    codes, output = run_ranks(args, world_size(args), folder, os.path.join(folder, "fit"), timeout=600)
     if expect_ok:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+        assert codes == [0] * len(codes), output[-4000:]
+    return subprocess.CompletedProcess(["aah", *args], codes[0], "", output)
 
 
 def preempted_then_resumed(folder, configs, *extra):

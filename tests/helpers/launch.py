@@ -15,6 +15,7 @@ DDP SIGTERM test), the SLURM jobs, and tests of what a fresh interpreter imports
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -127,26 +128,37 @@ def start_aah(argv: list[str], env: dict, cwd, output) -> AahProcess:
     return AahProcess(argv, env, cwd, output)
 
 
-def run_ranks(argv: list[str], world: int, port: int, cwd, output_prefix, timeout: float, grace: float = 60.0):
-    """``aah ARGV`` on ``world`` processes of one node, started as a launcher starts them; waits for all of them.
-    Returns ``(exit codes, output of every rank)``, rank 0's output first. A rank still running ``grace`` seconds after
-    rank 0 ended (waiting for a collective that will never come) is killed, as Lightning's own launcher would."""
-    procs = [start_aah(argv, rank_env(r, world, port), cwd, f"{output_prefix}.rank{r}.txt") for r in range(world)]
+def start_ranks(argv: list[str], world: int, cwd, output_prefix) -> tuple[list[AahProcess], list[str]]:
+    """``aah ARGV`` on ``world`` processes of one node, started as a launcher starts them (one process: a plain
+    ``aah``). Returns the processes and their output files (``{output_prefix}.rank{r}.txt``), rank 0's first."""
+    outputs = [f"{output_prefix}.rank{r}.txt" for r in range(world)]
+    port = free_port()
+    envs = [aah_env()] if world == 1 else [rank_env(r, world, port) for r in range(world)]
+    return [start_aah(argv, env, cwd, out) for env, out in zip(envs, outputs)], outputs
+
+
+def read_outputs(paths: list[str]) -> str:
+    """The output files joined, in order."""
+    text = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            text.append(f.read())
+    return "".join(text)
+
+
+def run_ranks(argv: list[str], world: int, cwd, output_prefix, timeout: float, grace: float = 60.0):
+    """``start_ranks``, then wait for every process. Returns ``(exit codes, output of every rank)``, rank 0's output
+    first. A rank still running ``grace`` seconds after rank 0 ended (waiting for a collective that will never come)
+    is killed, as Lightning's own launcher would."""
+    procs, outputs = start_ranks(argv, world, cwd, output_prefix)
     try:
         procs[0].wait(timeout)
         for p in procs[1:]:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    outputs = []
-    for r in range(world):
-        with open(f"{output_prefix}.rank{r}.txt", errors="replace") as f:
-            outputs.append(f.read())
-    return [p.returncode for p in procs], "".join(outputs)
+    return [p.returncode for p in procs], read_outputs(outputs)

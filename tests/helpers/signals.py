@@ -17,7 +17,7 @@ import lightning as L
 
 from aah_lightning.lit.checkpointing import LastCheckpoint
 from helpers.cli import PYTHON, subprocess_env
-from helpers.launch import aah_env, free_port, rank_env, start_aah
+from helpers.launch import read_outputs, start_ranks
 
 TIMEOUT = 300  # seconds for any one wait; a busy machine is slow to start processes
 
@@ -83,22 +83,16 @@ def run_and_sigterm(argv: list[str], folder, second_at_save=False, ranks=1, ligh
     Returns (rank 0's exit code, every process's output, rank 0's first)."""
     os.makedirs(folder, exist_ok=True)
     held, saving = os.path.join(folder, "held.json"), os.path.join(folder, "saving.json")
-    outputs = [os.path.join(folder, f"output.rank{r}.txt") for r in range(1 if lightning_launch else ranks)]
     if lightning_launch:
+        outputs = [os.path.join(folder, "output.rank0.txt")]
         with open(outputs[0], "w") as out:
             command = [PYTHON, "-m", "aah_lightning", *argv]
             procs = [subprocess.Popen(command, env=subprocess_env(), cwd=folder, stdout=out, stderr=out)]
     else:
-        port = free_port()
-        envs = [aah_env()] if ranks == 1 else [rank_env(r, ranks, port) for r in range(ranks)]
-        procs = [start_aah(argv, env, folder, out) for env, out in zip(envs, outputs)]
+        procs, outputs = start_ranks(argv, ranks, folder, os.path.join(folder, "output"))
 
     def output() -> str:
-        text = []
-        for path in outputs:
-            with open(path, errors="replace") as f:
-                text.append(f.read())
-        return "".join(text)
+        return read_outputs(outputs)
 
     def reached(path):
         for p in procs:

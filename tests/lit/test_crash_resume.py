@@ -17,7 +17,7 @@ from aah_lightning.data.packing import EndlessSampler
 from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, load_checkpoint_file
 from aah_lightning.lit.datamodule import TextDataModule
 from helpers.cli import tiny_config
-from helpers.launch import aah_env, free_port, rank_env, run_ranks, start_aah
+from helpers.launch import aah_env, read_outputs, run_ranks, start_aah, start_ranks
 
 
 class Recorder(L.Callback):
@@ -90,15 +90,11 @@ def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     args = fit_args(tmp_path, FSDP2, "--trainer.strategy.init_args.data_parallel_size=2")
     args.append("--trainer.val_check_interval=1000")
     ckpts, last = tmp_path / "ckpt", tmp_path / "ckpt" / "last.ckpt"
-    port = free_port()
-    outputs = [tmp_path / f"output.rank{r}.txt" for r in (0, 1)]
-    procs = [
-        start_aah([*args, "--trainer.max_steps=100000"], rank_env(r, 2, port), tmp_path, outputs[r]) for r in (0, 1)
-    ]
+    procs, outputs = start_ranks([*args, "--trainer.max_steps=100000"], 2, tmp_path, tmp_path / "output")
     try:
         deadline = time.time() + 300
         while not last.exists():
-            assert all(p.poll() is None for p in procs), "".join(o.read_text()[-2000:] for o in outputs)
+            assert all(p.poll() is None for p in procs), read_outputs(outputs)[-4000:]
             assert time.time() < deadline, "no checkpoint appeared"
             time.sleep(0.05)
         time.sleep(random.uniform(0.0, 3.0))  # a checkpoint every step: the kill lands during a save or between
@@ -113,14 +109,8 @@ def test_sigkill_of_two_fsdp2_processes_then_resume_from_last(tmp_path):
     step = torch.load(last / "meta.pt", weights_only=True)["global_step"]
     assert step >= 1
 
-    codes, output = run_ranks(
-        [*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"],
-        2,
-        free_port(),
-        tmp_path,
-        tmp_path / "resumed",
-        timeout=600,
-    )
+    resume = [*args, "--ckpt_path=last", f"--trainer.max_steps={step + 2}"]
+    codes, output = run_ranks(resume, 2, tmp_path, tmp_path / "resumed", timeout=600)
     assert codes == [0, 0], output[-4000:]
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == step + 2
     # One checkpoint folder behind the link, no temporary folder of the killed writer left.
