@@ -6,6 +6,8 @@
     python tools/gpu_tune.py --smoke               # CPU, tiny shapes: every code path, no numbers worth keeping
 
 Needs only torch (and triton on CUDA) and the aah package: no datasets, no jsonargparse. Run from the repository root.
+flex_fa4 runs where flash-attn-4 is installed (on a machine without network: tools/carry_wheels.py); the header says
+which version is, and whether this torch translates aah's masks for it (model/attention/flash_compat.py).
 
 Stages (--stages), in the order they run: attention (with parity and recompiles), e2e and e2e_compiled at T=4096,
 the same at T=16384, then tuning and autotune. Each is skipped, and says so, once less than its estimated time is
@@ -21,7 +23,9 @@ left of --budget:
               new graphs) and with a different number of windowed heads (the split plans' group sizes change).
   end to end  training-step tokens/s (forward, backward, AdamW, bf16 autocast) of the ~124M GPT (12 layers, d=768,
               12 heads) at T=4096 (B=8) and T=16384 (B=2): full causal against the paper's mix (ACR ~0.3) under
-              each CUDA plan (blocks eager); e2e_compiled: the same with every block compiled, flex and flex_tuned.
+              flex, split and varlen (blocks eager); e2e_compiled: the same with every block compiled (what a GPU run
+              configures) under flex, flex_tuned, flex_fa4 and split, and whether model.gpt.backend=auto trains as
+              fast as the fastest of them. A plan that cannot train here is listed with its reason.
   tuning      flex kernel_options candidates at the first T (stages, warps, TMA).
   autotune    flex under mode="max-autotune-no-cudagraphs" per BlockMask tile size, beside the pinned flex_tuned:
               inductor prints the configurations it timed; the winner is what to pin in
@@ -40,7 +44,17 @@ import time
 import torch
 
 from aah_lightning.benchmarks import common as bench
-from aah_lightning.benchmarks.gpu_tune import Run, attention, autotuned, end_to_end, report, save, shapes, tuning
+from aah_lightning.benchmarks.gpu_tune import (
+    Run,
+    attention,
+    autotuned,
+    end_to_end,
+    flash_facts,
+    report,
+    save,
+    shapes,
+    tuning,
+)
 
 
 def main(argv=None) -> int:
@@ -76,7 +90,7 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     print(
         f"## aah gpu_tune, {datetime.datetime.now().isoformat(timespec='minutes')}\n\ncommand: `{command}`\n\n"
-        f"machine: {bench.machine(device)}\n",
+        f"machine: {bench.machine(device)}\n\ntorch {torch.__version__}, FlashAttention-4: {flash_facts()}\n",
         flush=True,
     )
     for index, (T, B) in enumerate(shapes(args)):  # the first T's numbers first, then the longer T's

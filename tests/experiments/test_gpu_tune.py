@@ -58,3 +58,33 @@ def test_gpu_tune_tuning_stage_code_path(monkeypatch):
     assert all(r["fwd+bwd"]["ratio"] > 0 for r in run.results["tuning"])
     assert all(r["passed"] for r in run.results["parity"])
     assert "kernel_options candidates" in tune.report({**run.results, "targets": []})
+
+
+def test_verdicts_hold_auto_to_the_fastest_compiled_plan_and_use_the_targets():
+    def e2e(T, plan, tokens_per_s):
+        return {
+            "T": T,
+            "variant": f"AAH, {plan}, compiled blocks",
+            "tokens_per_s": tokens_per_s,
+            "vs_full_causal": tokens_per_s / 100.0,
+        }
+
+    results = {
+        "attention": [{"T": 4096, "plan": "flex_tuned", "kind": "fwd+bwd", "ratio": 0.56}],
+        "end_to_end": [
+            e2e(4096, "flex_tuned", 120.0),
+            e2e(4096, "flex_fa4", 130.0),
+            e2e(16384, "flex_tuned", 140.0),
+            {"T": 16384, "variant": "AAH, flex_fa4, compiled blocks", "unavailable": "not installed"},
+        ],
+        "auto": [{"T": 4096, "plan": "flex_tuned"}, {"T": 16384, "plan": "flex_tuned"}],
+        "recompiles": [],
+        "parity": [],
+    }
+    rows = {r["target"]: r for r in tune.verdicts(results, [4096, 16384])}
+    slower = rows["auto (flex_tuned) trains as fast as the fastest plan measured, T=4096"]
+    assert slower["best"] == "flex_fa4" and slower["measured"] == pytest.approx(120 / 130) and not slower["met"]
+    assert rows["auto (flex_tuned) trains as fast as the fastest plan measured, T=16384"]["met"]
+    assert not rows["attention fwd+bwd / SDPA causal <= 0.55, T=4096"]["met"]  # 0.56 misses 0.55
+    assert rows["end to end tokens/s >= 1.15 x full causal, T=4096"]["met"]  # 1.30
+    assert rows["end to end tokens/s >= 1.35 x full causal, T=16384"]["met"]  # 1.40

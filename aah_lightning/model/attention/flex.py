@@ -9,7 +9,8 @@ Three registered variants, one kernel:
 * ``flex_fa4``   - FlashAttention-4 (CuTeDSL) through flex, ``kernel_options={"BACKEND": "FLASH"}``: needs a CUDA GPU
   of compute capability 9.0 or newer and the ``flash-attn-4`` package (``pip install -e ".[fa4]"``); otherwise it
   falls back to ``flex_tuned`` with one log line. FA4 needs BlockMasks that list full tiles (ours do) and a
-  ``dynamic=False`` compile (ours is).
+  ``dynamic=False`` compile (ours is); the installed torch must translate our masks into CuTeDSL, which
+  ``flash_compat`` checks (torch 2.11 and later do; nothing is patched).
 
 On CPU the compiled flex kernel splits ``B * H * q-tiles`` into one contiguous range per thread, so a layer whose
 windows grow with the head index leaves one thread idle most of the time. The CPU plan therefore runs the heads in a
@@ -27,6 +28,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aah_lightning.model import masks
+from aah_lightning.model.attention import flash_compat
 from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, register
 from aah_lightning.model.window_math import TileCounts, window_tiles
 
@@ -206,6 +208,9 @@ def fa4_missing(device: torch.device) -> str | None:
     arch = torch.cuda.get_device_capability(device)
     if arch < (9, 0):
         return f"FlashAttention-4 needs compute capability >= 9.0, this GPU has {arch[0]}.{arch[1]}"
+    gap = flash_compat.flash_gap()  # the installed torch must translate our masks into CuTeDSL
+    if gap is not None:
+        return gap
     try:
         importlib.import_module("flash_attn.cute")
     except Exception as err:  # not installed, or its CUDA libraries do not load
