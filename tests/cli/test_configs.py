@@ -62,5 +62,5 @@ def test_long_context_config_parses_on_top_of_ddp(capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["data"]["seq_len"] == 16384 and config["data"]["batch_size"] == 1
     gpt = config["model"]["gpt"]
-    assert gpt["backend"] == "flex_tuned" and gpt["rope_base"] == 500000.0
+    assert gpt["backend"] == "auto" and gpt["rope_base"] == 500000.0
     assert gpt["n_layer"] == 12 and config["trainer"]["precision"] == "bf16-mixed"  # from ddp.yaml
