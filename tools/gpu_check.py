@@ -9,9 +9,9 @@
 Needs nothing beyond the aah package and its dependencies (run from the repository root, or with aah installed).
 
 Checks (docs/scaling.md, "GPU check"):
-  attention parity   every plan but sdpa (banded, flex, flex_tuned, flex_fa4, split, varlen where they run) with
-                     per-head windows against a float64 dense masked softmax: output and dq, dk, dv in fp32 and bf16
-                     (varlen: bf16 only). Passes if a plan's error is at most 2x that of SDPA with the same dense mask
+  attention parity   every plan but sdpa (banded, flex, flex_tuned, flex_fa4, fa4_window, split, varlen where they
+                     run) with per-head windows against a float64 dense masked softmax: output and dq, dk, dv in fp32
+                     and bf16 (the FlashAttention plans varlen, flex_fa4, fa4_window: bf16 only). Passes if a plan's error is at most 2x that of SDPA with the same dense mask
                      and dtype (or below a small floor).
   GPT parity         the whole model, flex (and split) backend against sdpa backend, same weights and windows: loss and
                      gradients.
@@ -97,8 +97,8 @@ def attention_parity(device, dtype, shape, train: bool) -> None:
     for plan_name in PARITY_PLANS:
         backend = get_backend(plan_name)
         state = backend.available(device, train)
-        if not state or (plan_name == "varlen" and dtype == torch.float32):
-            why = state.reason if not state else "FlashAttention kernels take bf16 / fp16 only"
+        if not state or (backend.dtypes is not None and dtype not in backend.dtypes):
+            why = state.reason if not state else f"its kernel takes {', '.join(map(str, backend.dtypes))} only"
             record(f"attention parity {name} ({plan_name})", f"skipped: {why}", "-", True)
             continue
         plan = backend.build(tuple(row.tolist()), T, None, device=device, block_size=128)

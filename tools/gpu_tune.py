@@ -6,7 +6,7 @@
     python tools/gpu_tune.py --smoke               # CPU, tiny shapes: every code path, no numbers worth keeping
 
 Needs only torch (and triton on CUDA) and the aah package: no datasets, no jsonargparse. Run from the repository root.
-flex_fa4 runs where flash-attn-4 is installed (on a machine without network: tools/carry_wheels.py); the header says
+flex_fa4 and fa4_window run where flash-attn-4 is installed (on a machine without network: tools/carry_wheels.py); the header says
 which version is, and whether this torch translates aah's masks for it (model/attention/flash_compat.py).
 
 Stages (--stages), in the order they run: attention (with parity and recompiles), e2e and e2e_compiled at T=4096,
@@ -23,9 +23,10 @@ left of --budget:
               new graphs) and with a different number of windowed heads (the split plans' group sizes change).
   end to end  training-step tokens/s (forward, backward, AdamW, bf16 autocast) of the ~124M GPT (12 layers, d=768,
               12 heads) at T=4096 (B=8) and T=16384 (B=2): full causal against the paper's mix (ACR ~0.3) under
-              flex, split and varlen (blocks eager); e2e_compiled: the same with every block compiled (what a GPU run
-              configures) under flex, flex_tuned, flex_fa4 and split, and whether model.gpt.backend=auto trains as
-              fast as the fastest of them. A plan that cannot train here is listed with its reason.
+              flex, split, varlen and fa4_window (blocks eager); e2e_compiled: the same with every block compiled
+              (what a GPU run configures) under flex, flex_tuned, flex_fa4, split and fa4_window, and whether
+              model.gpt.backend=auto trains as fast as the fastest of them. A plan that cannot train here is listed
+              with its reason.
   tuning      flex kernel_options candidates at the first T (stages, warps, TMA).
   autotune    flex under mode="max-autotune-no-cudagraphs" per BlockMask tile size, beside the pinned flex_tuned:
               inductor prints the configurations it timed; the winner is what to pin in

@@ -27,6 +27,7 @@ from aah_lightning.benchmarks.common import sync
 from aah_lightning.lit import distributed
 from aah_lightning.model import masks
 from aah_lightning.model.attention import backend_names, flash_compat, get_backend
+from aah_lightning.model.attention.fa4_window import Fa4WindowPlan
 from aah_lightning.model.attention.flex import FlexPlan, device_arch
 from aah_lightning.model.attention.reference import max_error, parity_limit, reference_attention
 from aah_lightning.model.attention.registry import resolve_backend
@@ -57,8 +58,8 @@ TARGETS = {"fwd+bwd": (0.55, 0.45), "e2e": (1.15, 1.35)}
 # The plans trained end to end: blocks eager, and blocks compiled as model.gpt.compile_blocks=true does (the
 # configuration a GPU run uses). One that cannot train here is listed with its reason.
 E2E_PLANS = {
-    ("cuda", False): ("flex", "split", "varlen"),
-    ("cuda", True): ("flex", "flex_tuned", "flex_fa4", "split"),
+    ("cuda", False): ("flex", "split", "varlen", "fa4_window"),
+    ("cuda", True): ("flex", "flex_tuned", "flex_fa4", "split", "fa4_window"),
     ("cpu", False): ("banded", "split"),
     ("cpu", True): ("banded",),
 }
@@ -209,7 +210,8 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
         else:
             plans[name] = plan
     # The fastest causal kernel on the machine is the second baseline: flex's own causal kernel, and FlashAttention-4's
-    # where it runs (every head's window covers T). A plan's time is reported against it as well as against SDPA's.
+    # where it runs (through flex with every window covering T, and natively). A plan's time is reported against it as
+    # well as against SDPA's.
     for name in ("flex", "flex_fa4"):
         try:
             plan, _ = plan_for(name, full, T, device)
@@ -218,6 +220,8 @@ def attention(run: Run, args, device, dtype, T: int, B: int, first: bool) -> Non
             run.error(f"build {name} causal T={T}", err)
         if plan is not None:
             plans[f"{name} causal"] = plan
+    if get_backend("fa4_window").available(device, needs_grad=True):  # FA4's native causal kernel, no mask
+        plans["fa4 causal"] = Fa4WindowPlan(tuple(full.tolist()), T, (None, None))
     if first:
         want, sdpa_err = reference(*qkv, row, dout)
     fns, compile_s = {}, {}

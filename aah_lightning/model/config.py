@@ -26,7 +26,7 @@ class GPTConfig:
         bias: biases in linear layers and norms.
         rope_base: RoPE frequency base.
         backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU) or a registered one
-            (flex, flex_tuned, flex_fa4, split, varlen, banded, sdpa; docs/architecture.md).
+            (flex, flex_tuned, flex_fa4, fa4_window, split, varlen, banded, sdpa; docs/architecture.md).
         block_size: FlexAttention BlockMask tile size.
         document_mask: queries attend only within their own document.
         compile_blocks: torch.compile each transformer block (flex attention is always compiled). For GPUs.

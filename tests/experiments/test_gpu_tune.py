@@ -17,7 +17,7 @@ def test_gpu_tune_smoke_writes_one_report(tmp_path, capsys, monkeypatch):
     assert results["smoke"] and not results["errors"] and not results["skipped"]
     # every registered CUDA plan is listed; those that cannot train on CPU say why
     reasons = {r["plan"]: r["unavailable"] for r in results["attention"] if "unavailable" in r}
-    assert set(reasons) == {"flex", "flex_tuned", "varlen", "flex_fa4"}
+    assert set(reasons) == {"flex", "flex_tuned", "varlen", "flex_fa4", "fa4_window"}
     assert "no backward" in reasons["flex"] and "CUDA only" in reasons["varlen"]
     timed = {(r["T"], r["plan"], r["kind"]) for r in results["attention"] if "ms" in r}
     for T in (128, 256):

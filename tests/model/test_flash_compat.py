@@ -127,9 +127,14 @@ def test_the_installed_torch_translates_every_mask_op():
 
 
 def test_flex_fa4_falls_back_with_the_torch_gap_as_its_reason(monkeypatch):
-    from aah_lightning.model.attention import flex
+    from aah_lightning.model.attention import flex, get_backend, registry, resolve_backend
 
-    monkeypatch.setattr(flash_compat, "flash_gap", lambda: "torch 2.0's CuTeDSL code generation lacks ops ...: lt")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    reason = flex.fa4_missing(torch.device("cuda"))
-    assert reason is not None and "lacks ops" in reason and reason.endswith(": lt")
+    gap = "torch 2.0's CuTeDSL code generation lacks ops aah's masks need: lt (not implemented)"
+    monkeypatch.setattr(flex, "fa4_missing", lambda device: None)  # a Hopper GPU with flash-attn-4 (faked)
+    monkeypatch.setattr(flash_compat, "flash_gap", lambda: gap)
+    cuda = torch.device("cuda")
+    assert get_backend("flex_fa4").available(cuda, needs_grad=True).reason == gap
+    registry._logged.clear()
+    assert resolve_backend("flex_fa4", cuda, needs_grad=True, seq_len=4096) == "flex_tuned"
+    monkeypatch.setattr(flash_compat, "flash_gap", lambda: None)
+    assert resolve_backend("flex_fa4", cuda, needs_grad=True, seq_len=4096) == "flex_fa4"

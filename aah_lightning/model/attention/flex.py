@@ -202,15 +202,13 @@ class TunedFlexBackend(FlexBackend):
 
 
 def fa4_missing(device: torch.device) -> str | None:
-    """Why FA4 through flex cannot run on ``device`` (None when it can)."""
+    """Why FlashAttention-4 cannot run on ``device`` (None when it can): a CUDA GPU of compute capability 9.0 or newer
+    and the ``flash-attn-4`` package (``flex_fa4`` and ``fa4_window``)."""
     if device.type != "cuda":
         return f"FlashAttention-4 needs a CUDA GPU, not {device.type}"
     arch = torch.cuda.get_device_capability(device)
     if arch < (9, 0):
         return f"FlashAttention-4 needs compute capability >= 9.0, this GPU has {arch[0]}.{arch[1]}"
-    gap = flash_compat.flash_gap()  # the installed torch must translate our masks into CuTeDSL
-    if gap is not None:
-        return gap
     try:
         importlib.import_module("flash_attn.cute")
     except Exception as err:  # not installed, or its CUDA libraries do not load
@@ -223,7 +221,9 @@ class Fa4FlexBackend(FlexBackend):
     name = "flex_fa4"
     options = FA4_OPTIONS
     fallback = "flex_tuned"
+    dtypes = (torch.bfloat16, torch.float16)
 
     def available(self, device, needs_grad) -> Availability:
-        reason = fa4_missing(device)
+        # and the installed torch must translate our masks into CuTeDSL (flash_compat)
+        reason = fa4_missing(device) or flash_compat.flash_gap()
         return AVAILABLE if reason is None else Availability(False, reason)

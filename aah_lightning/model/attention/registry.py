@@ -112,6 +112,7 @@ class Backend:
 
     name: str = ""
     fallback: str | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None  # the dtypes its kernel takes (None: any)
 
     def available(self, device: torch.device, needs_grad: bool) -> Availability:
         return AVAILABLE

@@ -33,7 +33,7 @@ def flash_window(window: int, seq_len: int) -> tuple[int, int]:
     return (-1, 0) if window >= seq_len else (int(window) - 1, 0)
 
 
-def document_segments(doc_ids: Tensor) -> tuple[Tensor, int]:
+def document_segments(doc_ids: Tensor, backend: str = "varlen") -> tuple[Tensor, int]:
     """Cumulative sequence starts (int32 ``[n + 1]``) of the flattened ``[B * T]`` tokens, one sequence per
     document run in each row, and the longest run. Reads ``doc_ids`` on the host (plan building, per batch)."""
     batch, seq_len = doc_ids.shape
@@ -45,7 +45,7 @@ def document_segments(doc_ids: Tensor) -> tuple[Tensor, int]:
     distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=runs.device)
     if not torch.equal(runs, distinct):
         raise ValueError(
-            "model.gpt.backend=varlen needs every document to be one contiguous run of positions in its row"
+            f"model.gpt.backend={backend} needs every document to be one contiguous run of positions in its row"
         )
     bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)])
     return bounds.to(torch.int32), int(bounds.diff().max())
@@ -82,6 +82,7 @@ class VarlenPlan(SplitPlan):
 class VarlenBackend(Backend):
     name = "varlen"
     fallback = "split"
+    dtypes = (torch.bfloat16, torch.float16)
 
     def available(self, device, needs_grad) -> Availability:
         if varlen_attn is None:
