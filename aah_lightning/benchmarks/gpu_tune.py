@@ -427,7 +427,8 @@ def gpt_model(device, seq_len: int, backend: str, smoke: bool) -> GPT:
 
 def end_to_end(run: Run, args, device, dtype, T: int, B: int, compiled: bool = False) -> None:
     """Training-step tokens/s, full causal against the AAH mix; ``compiled``: every block compiled as
-    ``model.gpt.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows), flex plans only."""
+    ``model.gpt.compile_blocks=True`` does (the rest of the step shrinks, so attention's share grows). The plans:
+    ``E2E_PLANS``."""
     variants = {"full causal": (False, "auto")}
     suffix = ", compiled blocks" if compiled else ""
     for name in E2E_PLANS[("cuda" if device.type == "cuda" else "cpu", compiled)]:
