@@ -1,18 +1,22 @@
-"""``fa4_window`` on CPU, with a stand-in for flash-attn-4's two functions written from FlashAttention's documented
-semantics (``[B, T, H, D]`` / varlen ``[tokens, H, D]`` layouts; query i sees keys ``i - left .. i + right``, and none
-after i when causal; ``(out, lse)`` returned). What this checks is aah's side: the window convention, the layouts,
-the groups, documents as varlen sequences, the layer's weight path. FlashAttention-4 itself runs on a Hopper GPU only
-(``tools/gpu_tune.py`` and ``tools/gpu_check.py`` check it there against the same float64 reference)."""
+"""``fa4_window`` on CPU, with a stand-in for the two functions of flash-attn-4 it calls (``_flash_attn_fwd``,
+``_flash_attn_bwd`` of ``flash_attn.cute.interface``), written from FlashAttention's documented semantics: ``[B, T, H,
+D]`` or varlen ``[tokens, H, D]`` layouts, query i sees keys ``i - left .. i + right`` and none after i when causal,
+the log-sum-exp ``[B, H, T]`` / ``[H, tokens]``. What this checks is aah's side: the window convention, the layouts,
+the custom ops and their autograd, the groups, documents as varlen sequences, the layer's weight path, a compiled
+block. FlashAttention-4 itself runs on a Hopper GPU only (``tools/gpu_tune.py`` and ``tools/gpu_check.py`` check it
+there against the same float64 reference)."""
 
 from __future__ import annotations
 
 import math
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from aah_lightning.lit import distributed
 from aah_lightning.model.attention import fa4_window, get_backend, registry, resolve_backend
 from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.attention.registry import AVAILABLE
@@ -22,10 +26,10 @@ from aah_lightning.model.gpt import GPT
 CALLS: list[tuple] = []
 
 
-def _attend(q, k, v, causal, window_size, softmax_scale=None):
-    """One sequence, ``[T, H, D]``, FlashAttention's rule."""
+def _probs(q, k, causal, left, right, softmax_scale):
+    """One sequence, ``[T, H, D]``: the attention probabilities ``[H, T, T]`` and log-sum-exp ``[H, T]`` under
+    FlashAttention's rule, and the scale."""
     T, D = q.shape[0], q.shape[-1]
-    left, right = window_size
     if causal:
         right = 0
     i, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
@@ -34,18 +38,17 @@ def _attend(q, k, v, causal, window_size, softmax_scale=None):
         allowed &= j >= i - left
     if right is not None:
         allowed &= j <= i + right
-    scores = torch.einsum("qhd,khd->hqk", q, k) * (softmax_scale or 1 / math.sqrt(D))
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v), torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)
+    scale = softmax_scale or 1 / math.sqrt(D)
+    scores = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1), torch.logsumexp(scores, -1), scale
 
 
-def flash_attn_func(q, k, v, causal=False, window_size=(None, None), softmax_scale=None, **_):
-    CALLS.append(("func", tuple(q.shape), window_size))
-    outs = [_attend(q[b], k[b], v[b], causal, window_size, softmax_scale) for b in range(q.shape[0])]
-    return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
+def _sequences(cu_seqlens, n):
+    bounds = [0, n] if cu_seqlens is None else cu_seqlens.tolist()
+    return list(zip(bounds, bounds[1:]))
 
 
-def flash_attn_varlen_func(
+def _flash_attn_fwd(
     q,
     k,
     v,
@@ -53,26 +56,74 @@ def flash_attn_varlen_func(
     cu_seqlens_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
-    causal=False,
-    window_size=(None, None),
     softmax_scale=None,
+    causal=False,
+    window_size_left=None,
+    window_size_right=None,
+    return_lse=False,
     **_,
 ):
-    CALLS.append(("varlen", tuple(q.shape), window_size))
-    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == int(cu_seqlens_q.diff().max())
-    bounds = cu_seqlens_q.tolist()
-    outs = [_attend(q[a:b], k[a:b], v[a:b], causal, window_size, softmax_scale) for a, b in zip(bounds, bounds[1:])]
-    return torch.cat([o for o, _ in outs]), torch.cat([s for _, s in outs], -1)
+    CALLS.append(("varlen" if cu_seqlens_q is not None else "batch", (window_size_left, window_size_right)))
+    if cu_seqlens_q is not None:
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k == int(
+            cu_seqlens_q.diff().max()
+        )
+    batched = cu_seqlens_q is None
+    rows = [(q[b], k[b], v[b]) for b in range(q.shape[0])] if batched else [(q, k, v)]
+    outs, lses = [], []
+    for qq, kk, vv in rows:
+        for a, b in _sequences(cu_seqlens_q, qq.shape[0]):
+            p, lse, _ = _probs(qq[a:b], kk[a:b], causal, window_size_left, window_size_right, softmax_scale)
+            outs.append(torch.einsum("hqk,khd->qhd", p, vv[a:b]))
+            lses.append(lse)
+    if batched:
+        return torch.stack(outs), torch.stack(lses).float(), None, None, None
+    return torch.cat(outs), torch.cat(lses, -1).float(), None, None, None
+
+
+def _flash_attn_bwd(
+    q,
+    k,
+    v,
+    out,
+    dout,
+    lse,
+    softmax_scale=None,
+    causal=False,
+    softcap=0.0,
+    window_size_left=None,
+    window_size_right=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    **_,
+):
+    """The softmax attention backward by its formulas (custom ops run their kernels without autograd)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    batched = cu_seqlens_q is None
+    for r in range(q.shape[0]) if batched else [None]:
+        row_q, row_k, row_v, row_o, row_do, row_dq, row_dk, row_dv = (
+            x if r is None else x[r] for x in (q, k, v, out, dout, dq, dk, dv)
+        )
+        for a, b in _sequences(cu_seqlens_q, row_q.shape[0]):
+            qq, kk, vv, oo, do = (x[a:b] for x in (row_q, row_k, row_v, row_o, row_do))
+            p, _, scale = _probs(qq, kk, causal, window_size_left, window_size_right, softmax_scale)
+            dp = torch.einsum("qhd,khd->hqk", do, vv)
+            ds = p * (dp - (do * oo).sum(-1).transpose(0, 1).unsqueeze(-1))
+            row_dv[a:b] = torch.einsum("hqk,qhd->khd", p, do)
+            row_dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+            row_dk[a:b] = torch.einsum("hqk,qhd->khd", ds, qq) * scale
+    return dq, dk, dv
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    package = types.ModuleType("flash_attn")
-    cute = types.ModuleType("flash_attn.cute")
-    cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
-    package.cute = cute
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     CALLS.clear()
     return CALLS
 
@@ -105,10 +156,11 @@ def test_plan_equals_the_float64_reference_forward_and_backward(stand_in, seed, 
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     windowed = {min(w, T) for w in row} - ({T} if not documents else set())
-    assert sorted((w for _, _, w in stand_in), key=str) == sorted(
+    forward_calls = [c for c in stand_in]
+    assert sorted((w for _, w in forward_calls), key=str) == sorted(
         (fa4_window.fa4_window_size(w, T) for w in windowed), key=str
-    )  # one call per window group
-    assert {kind for kind, _, _ in stand_in} == {"varlen" if documents else "func"}
+    )  # one forward call per window group
+    assert {kind for kind, _ in forward_calls} == {"varlen" if documents else "batch"}
 
 
 def test_model_runs_the_groups_through_its_weights_like_sdpa(stand_in, monkeypatch):
@@ -132,7 +184,7 @@ def test_model_runs_the_groups_through_its_weights_like_sdpa(stand_in, monkeypat
     torch.testing.assert_close(ours[0], want[0], rtol=1e-10, atol=1e-10)
     for a, b in zip(ours[1], want[1]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-    assert {w for _, _, w in stand_in} == {(4, 0), (11, 0), (2, 0), (19, 0)}
+    assert {w for _, w in stand_in} == {(4, 0), (11, 0), (2, 0), (19, 0)}
 
 
 def test_without_a_hopper_gpu_and_the_package_it_runs_varlen_then_split(monkeypatch):
@@ -145,3 +197,30 @@ def test_without_a_hopper_gpu_and_the_package_it_runs_varlen_then_split(monkeypa
     assert resolve_backend("fa4_window", torch.device("cpu"), needs_grad=True, seq_len=4096) == "split"
     monkeypatch.setattr(fa4_window.flex, "fa4_missing", lambda device: None)
     assert get_backend("fa4_window").available(cuda, needs_grad=True) == AVAILABLE
+
+
+@pytest.mark.heavy  # compiles two blocks on CPU (~20 s)
+def test_compiled_blocks_call_the_custom_ops_and_train_like_eager(stand_in, monkeypatch):
+    """Blocks compile with fullgraph=True: FA4's calls must be graph nodes (the custom ops), not graph breaks."""
+    monkeypatch.setattr(fa4_window.Fa4WindowBackend, "available", lambda self, device, needs_grad: AVAILABLE)
+    T = 32
+    table = torch.tensor([[5, T, 5, 12], [T, 3, 20, 3]], dtype=torch.int32)
+    tokens = torch.randint(97, (2, T + 1), generator=torch.Generator().manual_seed(0))
+
+    def step(compiled: bool):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=97, seq_len=T, n_layer=2, n_head=4, n_embd=32, backend="fa4_window"))
+        model.set_windows(table)
+        if compiled:
+            distributed.prepare_model(SimpleNamespace(model=model), compile_blocks=True, activation_checkpointing=False)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    eager, compiled = step(False), step(True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert len(stand_in) == 2 * 4  # two runs x (2 layers x 2 windowed groups): every group reached FA4, compiled too

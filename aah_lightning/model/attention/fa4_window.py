@@ -11,8 +11,9 @@ positions in its row. FlashAttention's windows are inclusive (query i sees keys 
 
 Needs a CUDA GPU of compute capability 9.0 or newer, ``flash-attn-4`` (``pip install -e ".[fa4]"``) and bf16 / fp16;
 otherwise it runs ``varlen`` (torch's bundled FlashAttention-2 sliding windows, the same grouping) with one log line.
-flash-attn-4 registers no custom op for ``torch.compile``, so each call is kept out of compiled graphs
-(``torch.compiler.disable``): in a compiled block every windowed group is a graph break.
+flash-attn-4 registers nothing with ``torch.compile``; its forward and backward are wrapped here as two custom ops
+(``aah::fa4_window_forward`` / ``_backward``, FA4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` in flash-attn-4 4.0),
+which a compiled block calls as opaque nodes (blocks compile with ``fullgraph=True``: a graph break would be an error).
 """
 
 from __future__ import annotations
@@ -35,26 +36,97 @@ def fa4_window_size(window: int, seq_len: int) -> tuple[int | None, int | None]:
     return (None, None) if window >= seq_len else (int(window) - 1, 0)
 
 
-@torch.compiler.disable  # flash-attn-4 is opaque to dynamo: a graph break, never a traced guess
-def fa4_attention(q, k, v, window_size, cu_seqlens: Tensor | None, max_len: int | None) -> Tensor:
-    """``[B, h, T, D]`` attention of heads that share ``window_size``, through FlashAttention-4 (``[B, T, h, D]``
-    layout there); with ``cu_seqlens``, the ``B * T`` tokens as varlen sequences."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+# flash-attn-4 registers nothing with torch.compile, and blocks compile with fullgraph=True: its kernels are wrapped
+# here as two custom ops (forward, backward) that compiled graphs call as opaque nodes. Both take q, k, v in FA4's
+# layout, ``[B, T, h, D]`` (or ``[tokens, h, D]`` with ``cu_seqlens``); ``left`` < 0: no window (plain causal).
+def _window(left: int) -> dict:
+    return (
+        {"window_size_left": None, "window_size_right": None}
+        if left < 0
+        else {
+            "window_size_left": left,
+            "window_size_right": 0,
+        }
+    )
 
-    B, h, T, D = q.shape
+
+def _lengths(cu_seqlens: Tensor | None, max_len: int) -> dict:
     if cu_seqlens is None:
-        out, _ = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, window_size=window_size)
+        return {}
+    return {"cu_seqlens_q": cu_seqlens, "cu_seqlens_k": cu_seqlens, "max_seqlen_q": max_len, "max_seqlen_k": max_len}
+
+
+def _as_strided_like(t: Tensor, ref: Tensor) -> Tensor:
+    """``t`` laid out like ``ref`` (what the ops' fake implementations promise the compiler)."""
+    return t if t.stride() == ref.stride() else torch.empty_like(ref).copy_(t)
+
+
+@torch.library.custom_op("aah::fa4_window_forward", mutates_args=())
+def fa4_window_forward(
+    q: Tensor, k: Tensor, v: Tensor, left: int, cu_seqlens: Tensor | None, max_len: int
+) -> tuple[Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, causal=True, return_lse=True, **_window(left), **_lengths(cu_seqlens, max_len))[
+        :2
+    ]
+    return out.contiguous(), lse.contiguous()
+
+
+@fa4_window_forward.register_fake
+def _(q, k, v, left, cu_seqlens, max_len):
+    lse = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse, dtype=torch.float32)
+
+
+@torch.library.custom_op("aah::fa4_window_backward", mutates_args=())
+def fa4_window_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    left: int,
+    cu_seqlens: Tensor | None,
+    max_len: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    grads = _flash_attn_bwd(q, k, v, out, dout, lse, causal=True, **_window(left), **_lengths(cu_seqlens, max_len))
+    return tuple(_as_strided_like(g, x) for g, x in zip(grads[:3], (q, k, v)))
+
+
+@fa4_window_backward.register_fake
+def _(dout, q, k, v, out, lse, left, cu_seqlens, max_len):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, ctx.left, cu_seqlens, ctx.max_len = inputs
+    ctx.save_for_backward(q, k, v, *output, *(() if cu_seqlens is None else (cu_seqlens,)))
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *cu = ctx.saved_tensors
+    dq, dk, dv = fa4_window_backward(dout, q, k, v, out, lse, ctx.left, cu[0] if cu else None, ctx.max_len)
+    return dq, dk, dv, None, None, None
+
+
+fa4_window_forward.register_autograd(_backward, setup_context=_setup)
+
+
+def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window_size, cu_seqlens: Tensor | None, max_len: int | None):
+    """``[B, h, T, D]`` attention of heads that share ``window_size``, through FlashAttention-4; with ``cu_seqlens``,
+    the ``B * T`` tokens as varlen sequences."""
+    B, h, T, D = q.shape
+    left = -1 if window_size[0] is None else int(window_size[0])
+    if cu_seqlens is None:
+        out, _ = fa4_window_forward(*(x.transpose(1, 2) for x in (q, k, v)), left, None, T)
         return out.transpose(1, 2)
     tokens = [x.transpose(1, 2).reshape(B * T, h, D) for x in (q, k, v)]
-    out, _ = flash_attn_varlen_func(
-        *tokens,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_len,
-        max_seqlen_k=max_len,
-        causal=True,
-        window_size=window_size,
-    )
+    out, _ = fa4_window_forward(*tokens, left, cu_seqlens, int(max_len))
     return out.view(B, T, h, D).transpose(1, 2)
 
 
