@@ -6,7 +6,7 @@
     python tools/carry_wheels.py install --parts P1 P2 ...           # on the offline machine: check, join, pip install
 
 ``pack`` tars the wheels, cuts the tar into chunks of at most ``--part-mib`` MiB (a wheel may be larger than one
-transfer: FlashAttention-4's CuTeDSL libraries are 88 MiB) and writes ``OUT/part1``, ``OUT/part2``, ... each with a
+transfer: FlashAttention-4's CuTeDSL library wheel is 87.7 MiB) and writes ``OUT/part1``, ``OUT/part2``, ... each with a
 ``manifest.json`` holding every chunk's SHA-256 and the whole tar's. ``install`` takes the part folders in any order,
 refuses a missing or corrupt chunk with a message naming it, joins and unpacks the wheels, installs them with
 ``pip --no-index --no-deps`` into the running interpreter's environment (site-packages, so that the ``.pth`` file

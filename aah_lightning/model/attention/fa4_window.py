@@ -25,9 +25,8 @@ from torch import Tensor
 
 from aah_lightning.model.attention import flex
 from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, register
-from aah_lightning.model.attention.sdpa import CausalPlan
-from aah_lightning.model.attention.split import SplitPlan, split_plan
-from aah_lightning.model.attention.varlen import document_segments
+from aah_lightning.model.attention.split import SplitPlan
+from aah_lightning.model.attention.varlen import window_group_plan
 
 
 def fa4_window_size(window: int, seq_len: int) -> tuple[int | None, int | None]:
@@ -161,11 +160,7 @@ class Fa4WindowBackend(Backend):
         return AVAILABLE if reason is None else Availability(False, reason)
 
     def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
-        segments = (None, None) if doc_ids is None else document_segments(doc_ids, self.name)
+        def group(sub_row, cu_seqlens, max_len):
+            return Fa4WindowPlan(sub_row, seq_len, fa4_window_size(sub_row[0], seq_len), cu_seqlens, max_len)
 
-        def part(sub_row):
-            if doc_ids is None and min(sub_row) >= seq_len:
-                return CausalPlan(sub_row, seq_len)
-            return Fa4WindowPlan(sub_row, seq_len, fa4_window_size(sub_row[0], seq_len), *segments)
-
-        return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, Fa4GroupsPlan)
+        return window_group_plan(row, seq_len, doc_ids, device, self.name, group, Fa4GroupsPlan)

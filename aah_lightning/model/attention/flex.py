@@ -10,7 +10,7 @@ Three registered variants, one kernel:
   of compute capability 9.0 or newer and the ``flash-attn-4`` package (``pip install -e ".[fa4]"``); otherwise it
   falls back to ``flex_tuned`` with one log line. FA4 needs BlockMasks that list full tiles (ours do) and a
   ``dynamic=False`` compile (ours is); the installed torch must translate our masks into CuTeDSL, which
-  ``flash_compat`` checks (torch 2.11 and later do; nothing is patched).
+  ``flash_compat`` checks (torch 2.11 and 2.13, read here, do; nothing is patched).
 
 On CPU the compiled flex kernel splits ``B * H * q-tiles`` into one contiguous range per thread, so a layer whose
 windows grow with the head index leaves one thread idle most of the time. The CPU plan therefore runs the heads in a

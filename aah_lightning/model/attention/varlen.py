@@ -78,6 +78,20 @@ class VarlenPlan(SplitPlan):
     kind = "varlen"
 
 
+def window_group_plan(row, seq_len, doc_ids, device, backend: str, group_plan, cls) -> SplitPlan:
+    """Heads grouped by window, ``group_plan(sub_row, cu_seqlens, max_len)`` for each group (one sliding-window call);
+    without documents a group whose window covers the sequence runs fused causal SDPA. ``cls``: the grouped plan's
+    class (its ``kind``). Shared by ``varlen`` and ``fa4_window``."""
+    segments = (None, None) if doc_ids is None else document_segments(doc_ids, backend)
+
+    def part(sub_row):
+        if doc_ids is None and min(sub_row) >= seq_len:
+            return CausalPlan(sub_row, seq_len)
+        return group_plan(sub_row, *segments)
+
+    return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, cls)
+
+
 @register
 class VarlenBackend(Backend):
     name = "varlen"
@@ -92,11 +106,7 @@ class VarlenBackend(Backend):
         return AVAILABLE
 
     def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
-        segments = (None, None) if doc_ids is None else document_segments(doc_ids)
+        def group(sub_row, cu_seqlens, max_len):
+            return VarlenGroupPlan(sub_row, seq_len, flash_window(sub_row[0], seq_len), cu_seqlens, max_len)
 
-        def part(sub_row):
-            if doc_ids is None and min(sub_row) >= seq_len:
-                return CausalPlan(sub_row, seq_len)
-            return VarlenGroupPlan(sub_row, seq_len, flash_window(sub_row[0], seq_len), *segments)
-
-        return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, VarlenPlan)
+        return window_group_plan(row, seq_len, doc_ids, device, self.name, group, VarlenPlan)
