@@ -146,7 +146,8 @@ def main(argv=None) -> None:
     files = [f for f in row_files(args.rows) if not args.only or row_name(f) in args.only]
     rows = [row_name(f) for f in files]
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    runs = [(path, seed) for path in files for seed in args.seeds]
+    # Seed-major: an interrupted suite has every row's first seeds before any row's last ones.
+    runs = [(path, seed) for seed in args.seeds for path in files]
     long_validations = [(n, span) for n in args.eval_seq_lens for span in [False, *([True] * args.eval_trained_span)]]
     if args.dry_run:
         for path, seed in runs:

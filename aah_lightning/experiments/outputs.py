@@ -1,6 +1,7 @@
 """Every output file of a suite, from its records: results.csv, results.md, positions.md, the two plots, tables.json
 (each run's final window table and each head's ACR over the run) and, when the rows are a frontier
-(``<family>_acr<target>``), frontier.md and frontier.png (and recall_by_distance.png on the recall task)."""
+(``<family>_acr<target>``), frontier.md and frontier.png (and, on the recall task, recall_by_distance.png and
+protocol.md, the exact tests of protocol.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 
 from aah_lightning.experiments import plots
+from aah_lightning.experiments.protocol import protocol_md
 from aah_lightning.experiments.records import COLUMNS, eval_lengths
 from aah_lightning.experiments.stats import baseline_by_seed
 from aah_lightning.experiments.tables import FRONTIER_ROW, frontier_md, position_tables, results_table
@@ -50,4 +52,9 @@ def write_outputs(
         plots.plot_frontier(out, by_row, base, eval_lengths(records))
         plots.plot_recall(out, by_row)
         table += "\n" + frontier
+        if any("recall_acc" in x for x in records):  # bimodal outcomes: the exact tests
+            protocol = protocol_md(by_row, rows, heads or {})
+            with open(os.path.join(out, "protocol.md"), "w") as f:
+                f.write(protocol)
+            table += "\n" + protocol
     return table

@@ -14,6 +14,9 @@ part                       tags                                                 
 ``WindowHistograms``       aah/windows (+ /layer_<l>)                              with the scalars
 ``WindowMap``              aah/window_map                                          when the table or the policy's
 ``HierarchyText``          aah/hierarchy                                           decision changes (rate-limited)
+``HeadWindows``            aah/head_window/layer_<l>/head_<h>                      with the scalars (``per_layer``)
+``NeedScalars``            aah/need/layer_<l>/head_<h>/<W>                         at every decision of a policy that
+                                                                                   measures need (``per_layer``)
 ``AttentionMassCoverage``  aah/attention_mass_coverage (+ /min_head, /layer_<l>)   every ``amc_every_n_steps``
 =========================  ======================================================  ====================================
 """
@@ -110,6 +113,37 @@ class TableScalars:
             return [None] * model.cfg.n_layer
         with torch.enable_grad():  # the training backend, as the forward resolved it
             return model.attention_plans(seq_len)
+
+
+class HeadWindows:
+    """Every head's window as its own curve: when a head gains or loses reach, its curve steps."""
+
+    tags = ("aah/head_window/layer_<l>/head_<h>",)
+
+    @staticmethod
+    def values(table: Tensor) -> dict[str, float]:
+        return {
+            f"aah/head_window/layer_{layer}/head_{head}": float(w)
+            for layer, row in enumerate(table.tolist())
+            for head, w in enumerate(row)
+        }
+
+
+class NeedScalars:
+    """What decided each head's window: the policy's need signal for every candidate at its last decision (the mass
+    share the window keeps, or the gain signal's loss decrease in nats; ``PolicyReport.need``)."""
+
+    tags = ("aah/need/layer_<l>/head_<h>/<W>",)
+
+    @staticmethod
+    def values(report: PolicyReport) -> dict[str, float]:
+        need = report.need.tolist()
+        return {
+            f"aah/need/layer_{layer}/head_{head}/{w}": float(v)
+            for layer, heads in enumerate(need)
+            for head, row in enumerate(heads)
+            for w, v in zip(report.candidates, row)
+        }
 
 
 class WindowHistograms:
@@ -262,6 +296,8 @@ class WindowDiagnostics(L.Callback):
         self.window_map = WindowMap() if window_map else None
         self.hierarchy = HierarchyText() if hierarchy else None
         self.amc = AttentionMassCoverage(amc_sequences, amc_queries, amc_seed, per_layer)
+        self.per_layer = per_layer
+        self._need_step = None  # the policy decision whose need was last logged
         self._last_table = None  # the table at the last logged step
         self._last_step = None
         self._visual_key = None
@@ -282,7 +318,10 @@ class WindowDiagnostics(L.Callback):
         report = pl_module.policy.report()
         media = media_loggers(trainer)  # loggers that show histograms, images, text (none: scalars only)
         if self._last_table is None or not torch.equal(table, self._last_table) or step % self.every_n_steps == 0:
-            _log_scalars(trainer, self.scalars.values(pl_module, table, seq_len, report, self._last_table), step)
+            values = self.scalars.values(pl_module, table, seq_len, report, self._last_table)
+            if self.per_layer:
+                values.update(HeadWindows.values(table))
+            _log_scalars(trainer, values, step)
             if media and self.histograms is not None:
                 self.histograms.log(media, table, step)
             self._last_table = table
@@ -291,6 +330,9 @@ class WindowDiagnostics(L.Callback):
                 self.window_map.log(media, table, step, seq_len, report)
             if self.hierarchy is not None:
                 self.hierarchy.log(media, table, step, report)
+        if self.per_layer and report.need is not None and report.last_step != self._need_step:
+            _log_scalars(trainer, NeedScalars.values(report), step)
+            self._need_step = report.last_step
         if amc is not None:
             _log_scalars(trainer, self.amc.values(amc), step)
 
@@ -309,9 +351,15 @@ class WindowDiagnostics(L.Callback):
     # A resumed run logs what an uninterrupted one would: the probe's query sample continues, and the step already
     # logged before the checkpoint is not logged again from the next step's first micro-batch.
     def state_dict(self) -> dict:
-        return {"amc_generator": self.amc.generator.get_state(), "last_step": self._last_step}
+        return {
+            "amc_generator": self.amc.generator.get_state(),
+            "last_step": self._last_step,
+            "need_step": -1 if self._need_step is None else self._need_step,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "amc_generator" in state_dict:  # optional: without it the sample restarts from the seed
             self.amc.generator.set_state(state_dict["amc_generator"])
             self._last_step = state_dict["last_step"]
+        need = state_dict.get("need_step", -1)
+        self._need_step = None if need < 0 else need

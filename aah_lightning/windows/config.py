@@ -61,6 +61,16 @@ class ControllerConfig:
         control_interval: decide every this many steps after warmup.
         freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
         reuse_groups: keep the level-0 partition of the first decision; keep re-allocating windows.
+        signal: what a head's need for each candidate window is measured by (docs/controller.md, "Need signals"):
+            ``mass`` (the paper's statistics: the share of its full-causal attention mass inside the window) or
+            ``gain`` (counterfactual: the first-order loss decrease of giving the head that window, measured on the
+            probe sequences with the gradient of the loss at the head's output; budget only, ``allocator: reach``).
+        explorers: reach first: this many heads of every layer (heads ``0 .. explorers - 1``; at initialisation every
+            head is alike) hold ``explore_window`` from step 0 until ``formation_steps``, whatever the signal says,
+            so that a head that needs context can learn to use it before need is measured. 0 = off. Budget only.
+        explore_window: the explorers' window (None = the widest candidate); one of the candidates.
+        formation_steps: the explorers hold their reach until this step; afterwards reach goes where the signal
+            measures need (the table in force stays unless a move gains more than ``settle_margin``).
     """
 
     probe_sequences: int = 2
@@ -90,6 +100,10 @@ class ControllerConfig:
     control_interval: int = 50
     freeze_after: Optional[int] = None
     reuse_groups: bool = False
+    signal: str = "mass"
+    explorers: int = 0
+    explore_window: Optional[int] = None
+    formation_steps: int = 0
 
     def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
         key = "model.aah.controller."
@@ -166,6 +180,33 @@ class ControllerConfig:
                 getattr(self, name),
                 "only with a budget: set target_acr or target_causal_coverage",
             )
+        require(self.signal in ("mass", "gain"), key + "signal", self.signal, "mass or gain")
+        require(
+            isinstance(self.explorers, int) and 0 <= self.explorers <= n_head,
+            key + "explorers",
+            self.explorers,
+            f"an integer in [0, n_head={n_head}] (0 = no reach first)",
+        )
+        require(
+            self.explore_window is None or self.explore_window in candidates,
+            key + "explore_window",
+            self.explore_window,
+            f"None (the widest candidate) or one of the candidates {candidates}",
+        )
+        require(self.formation_steps >= 0, key + "formation_steps", self.formation_steps, ">= 0")
+        for name, on in (("signal", self.signal == "gain"), ("explorers", self.explorers > 0)):
+            require(
+                not on or self.budget() is not None,
+                key + name,
+                getattr(self, name),
+                "only with a budget (target_acr or target_causal_coverage): without one nothing limits reach",
+            )
+        require(
+            self.explorers == 0 or self.formation_steps > 0,
+            key + "formation_steps",
+            self.formation_steps,
+            "> 0 with explorers (how long they hold their reach)",
+        )
         if self.budget() is not None and self.allocator != "reach":
             raise ConfigError(
                 f"{key}allocator={self.allocator!r} does not take a compute budget (its decisions have no notion of "
@@ -201,6 +242,10 @@ class AAHConfig:
             ``paper`` allocator networks, and of the ``shuffle`` permutations).
         redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle``
             re-permutes every this many steps as well as at each decision (0 = at decisions only).
+        long_layer: ``random`` with a ``table``: the table's widest window goes to a random head of this layer and
+            the other windows at random over the remaining heads (a placement stratified by layer); None = anywhere.
+        warmup_steps: ``fixed``: every head sees the whole context for this many steps first, then ``window`` (the
+            control that gives one window for all the controller's full-context warmup).
         controller: settings of the ``adaptive`` policy (``ControllerConfig``).
     """
 
@@ -210,6 +255,8 @@ class AAHConfig:
     table: Optional[list[list[int]]] = None
     seed: int = 0
     redraw_interval: int = 0
+    long_layer: Optional[int] = None
+    warmup_steps: int = 0
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def __post_init__(self):

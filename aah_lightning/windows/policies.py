@@ -53,9 +53,23 @@ class FixedPolicy(WindowPolicy):
             cfg.window,
             f"an integer in [1, seq_len={seq_len}] (the fixed policy's window)",
         )
+        require(
+            isinstance(cfg.warmup_steps, int) and cfg.warmup_steps >= 0,
+            "model.aah.warmup_steps",
+            cfg.warmup_steps,
+            "an integer >= 0 (steps at full context before the fixed window)",
+        )
 
     def initial_table(self) -> Tensor:
+        if self.cfg.warmup_steps > 0:
+            return super().initial_table()
         return torch.full((self.n_layer, self.n_head), self.cfg.window, dtype=torch.int32)
+
+    def on_train_step(self, step, model, batch):
+        # Once, when the warmup ends (a run resumed later has the fixed table in its checkpoint's window buffer).
+        if self.cfg.warmup_steps > 0 and step == self.cfg.warmup_steps:
+            return torch.full((self.n_layer, self.n_head), self.cfg.window, dtype=torch.int32)
+        return None
 
 
 @register("static")
@@ -80,6 +94,13 @@ class RandomPolicy(WindowPolicy):
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         if cfg.table is not None:
             check_table(cfg.table, "random", seq_len, n_layer, n_head)
+        if cfg.long_layer is not None:
+            require(
+                cfg.table is not None and isinstance(cfg.long_layer, int) and 0 <= cfg.long_layer < n_layer,
+                "model.aah.long_layer",
+                cfg.long_layer,
+                f"None or a layer index in [0, n_layer={n_layer}) with a table (whose widest window it places)",
+            )
 
     def __init__(self, cfg, n_layer, n_head, seq_len):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -89,7 +110,17 @@ class RandomPolicy(WindowPolicy):
         if self.cfg.table is not None:
             windows = torch.tensor(self.cfg.table, dtype=torch.int32).flatten()
             order = torch.randperm(windows.numel(), generator=self.generator)
-            return windows[order].view(self.n_layer, self.n_head)
+            table = windows[order].view(self.n_layer, self.n_head)
+            if self.cfg.long_layer is not None:  # the widest window to a random head of long_layer, by a swap
+                head = int(torch.randint(self.n_head, (1,), generator=self.generator))
+                at = int(torch.argmax(table.flatten()))
+                flat = table.flatten()
+                flat[at], flat[self.cfg.long_layer * self.n_head + head] = (
+                    flat[self.cfg.long_layer * self.n_head + head].clone(),
+                    flat[at].clone(),
+                )
+                table = flat.view(self.n_layer, self.n_head)
+            return table
         choice = torch.randint(len(self.candidates), (self.n_layer, self.n_head), generator=self.generator)
         return torch.tensor(self.candidates, dtype=torch.int32)[choice]
 

@@ -51,11 +51,17 @@ class PolicyReport:
     last_step: optimizer step of the last decision; None before the first or for a policy that never decides.
     trees: per layer, the hierarchy of head groups with each group's window (None for a layer without one); None
         for a policy that does not group heads.
+    need: what decided the windows: per head and candidate, the smoothed need signal at the last decision (mass
+        share kept, or the gain signal's loss decrease in nats); None for a policy that measures nothing.
     """
 
     candidates: list[int] = field(default_factory=list)
     last_step: int | None = None
     trees: list[GroupTree | None] | None = None
+    need: Tensor | None = (
+        None  # [L, H, K] float64: the need signal of each head for each candidate at the last decision
+    )
+    need_signal: str = "mass"  # what ``need`` measures: ``mass`` (share of attention mass) or ``gain`` (nats)
 
 
 def register(name: str) -> Callable[[P], P]:

@@ -26,8 +26,10 @@ from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller import features as feats
 from aah_lightning.windows.controller.allocators import LayerInputs, window_costs
 from aah_lightning.windows.controller.budget import RunSpend, allocate_within_budget
+from aah_lightning.windows.controller.gain import run_gain_probe
 from aah_lightning.windows.controller.grouping import (
     Partition,
+    canonical,
     cluster_heads,
     pairwise_distances,
     random_partition,
@@ -68,11 +70,31 @@ class AdaptivePolicy(WindowPolicy):
         self.last_step: int | None = None
         self.decisions = 0
         self.last_coverage: Tensor | None = None
+        # Reach first: the explorers' window, and the need signal that decided the last table ([L, H, K]).
+        self.explore_index = self.candidates.index(self.ctl.explore_window or self.candidates[-1])
+        self.gain_ema: Tensor | None = None
+        self.last_need: Tensor | None = None
         self.spend = RunSpend(self.table_cost(self.initial_table()))
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         cfg.controller.validate(cfg.resolved_candidates(seq_len), seq_len, n_head)
+
+    def initial_table(self) -> Tensor:
+        """Full context until the first decision; with explorers (reach first), the explorer table from step 0."""
+        if not self.ctl.explorers:
+            return super().initial_table()
+        return self.explorer_table()
+
+    def explorer_table(self) -> Tensor:
+        """Heads ``0 .. explorers - 1`` of every layer at ``explore_window``, every other head at the narrowest."""
+        table = torch.full((self.n_layer, self.n_head), self.candidates[0], dtype=torch.int32)
+        table[:, : self.ctl.explorers] = self.candidates[self.explore_index]
+        return table
+
+    def forming(self, step: int) -> bool:
+        """Whether the explorers still hold their reach at ``step``."""
+        return self.ctl.explorers > 0 and step < self.ctl.formation_steps
 
     # -- schedule ----------------------------------------------------------------------------------------------------
     def is_control_step(self, step: int) -> bool:
@@ -84,9 +106,13 @@ class AdaptivePolicy(WindowPolicy):
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
             return None
-        tokens, _, docs = split_batch(batch)
+        tokens, targets, docs = split_batch(batch)
         previous = self.table
-        table = self.decide(self.measure(model, tokens, docs), step)
+        if self.ctl.signal == "gain":
+            x = self.measure_gain(model, tokens, targets, docs, batch.get("loss_mask"))
+        else:
+            x = self.measure(model, tokens, docs)
+        table = self.decide(x, step)
         return None if previous is not None and torch.equal(previous, table) else table
 
     # -- measuring ---------------------------------------------------------------------------------------------------
@@ -102,13 +128,45 @@ class AdaptivePolicy(WindowPolicy):
             n_queries=self.ctl.probe_queries,
             generator=self.probe_generator,
         )
-        x = feats.probe_features(probe, self.candidates)
+        return self._rank_mean(feats.probe_features(probe, self.candidates))
+
+    def _rank_mean(self, x: Tensor, extra_se2: slice | None = None) -> Tensor:
+        """Packed features (and gains) averaged over ranks, float64 on CPU: every rank decides on the same numbers."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             world = dist.get_world_size()
             dist.all_reduce(x, op=dist.ReduceOp.SUM)
             x = x / world
             x[..., self.layout.profile_se2] /= world  # the mean of ``world`` independent probes
+            if extra_se2 is not None:
+                x[..., extra_se2] /= world
         return x.to("cpu", torch.float64)
+
+    def measure_gain(self, model, tokens, targets, doc_ids=None, loss_mask=None) -> Tensor:
+        """The mass probe's packed features followed by the gain signal ``[L, H, K]`` and its squared standard error
+        ``[L, H, K]`` (``gain.py``), from one forward and one gradient, averaged over ranks."""
+        probe, gain, se2 = run_gain_probe(
+            model,
+            tokens,
+            targets,
+            doc_ids,
+            loss_mask,
+            self.candidates,
+            n_sequences=self.ctl.probe_sequences,
+            n_queries=self.ctl.probe_queries,
+            generator=self.probe_generator,
+        )
+        x = feats.probe_features(probe, self.candidates)
+        k, f = len(self.candidates), x.shape[-1]
+        packed = torch.cat([x, gain.to(x), se2.to(x)], dim=-1)
+        return self._rank_mean(packed, slice(f + k, f + 2 * k))
+
+    def split_gain(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Packed probe features, gain and gain squared standard error (None, None for the mass signal)."""
+        k = len(self.candidates)
+        if self.ctl.signal != "gain" or x.shape[-1] < self.layout.packed_size + 2 * k:
+            return x, None, None
+        f = x.shape[-1] - 2 * k
+        return x[..., :f], x[..., f : f + k], x[..., f + k :]
 
     def profiles(self, x: Tensor) -> Tensor:
         """Mass profile ``[L, H, K]`` from packed features; a window >= T holds all of the mass, exactly."""
@@ -120,7 +178,7 @@ class AdaptivePolicy(WindowPolicy):
     def decide(self, x: Tensor, step: int) -> Tensor:
         """One control decision from this step's rank-averaged features ``x`` ``[L, H, F]``: the new table."""
         c = self.ctl
-        x = x.to(torch.float64)
+        x, gain, gain_se2 = self.split_gain(x.to(torch.float64))
         noise = self.profile_noise(x)
         x = x[..., : self.layout.size]
         if self.ema is None or c.ema_alpha == 0:
@@ -128,6 +186,14 @@ class AdaptivePolicy(WindowPolicy):
         else:
             self.ema = c.ema_alpha * self.ema + (1 - c.ema_alpha) * x
         profiles = self.profiles(self.ema)
+        if gain is not None:  # the need the knapsack maximises: the smoothed loss decrease instead of mass
+            self.gain_ema = (
+                gain.clone()
+                if self.gain_ema is None or c.ema_alpha == 0
+                else (c.ema_alpha * self.gain_ema + (1 - c.ema_alpha) * gain)
+            )
+            profiles, noise = self.gain_ema.clone(), gain_se2.clamp_min(0).sqrt()
+        forming = self.forming(step)
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         held = None if self.table is None else torch.searchsorted(cand, self.table).tolist()
         before = (list(self.partitions), list(self.hierarchies), list(self.group_windows))
@@ -137,6 +203,8 @@ class AdaptivePolicy(WindowPolicy):
             z = feats.clustering_matrix(self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor)
             d = pairwise_distances(z, c.metric)
             level0 = self._level0(layer, d)
+            if forming:  # an explorer is a group of its own: its floor must not drag other heads to its window
+                level0 = _explorers_apart(level0, c.explorers)
             inputs.append(
                 LayerInputs(
                     hierarchy=build_hierarchy(d, level0, self.thresholds[1:]),
@@ -149,6 +217,8 @@ class AdaptivePolicy(WindowPolicy):
                     layer=layer,
                     current=None if held is None else held[layer],
                     settle_margin=self.settle_bands(noise[layer]),
+                    floors=[self.explore_index if forming and h < c.explorers else 0 for h in range(self.n_head)],
+                    capped=gain is None,
                 )
             )
             self.partitions[layer] = level0
@@ -176,6 +246,7 @@ class AdaptivePolicy(WindowPolicy):
         self.spend.record(step, self.table_cost(table))
         index = torch.searchsorted(cand, table)
         self.last_coverage = self.profiles(x).gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
+        self.last_need = profiles.clone()
         self.table, self.last_step = table, step
         self.decisions += 1
         return table.clone()
@@ -241,13 +312,22 @@ class AdaptivePolicy(WindowPolicy):
             return
         measure, target = self.budget
         w = min(self.ctl.warmup_steps, self.run_steps)
-        least = (self.spend.paid_before(w) + (self.run_steps - w) * float(self.costs[0])) / self.run_steps
+        paid = self.spend.paid_before(w)
+        if self.ctl.explorers:  # the explorers hold their reach until formation ends, whatever the budget
+            w = min(max(w, self.ctl.formation_steps), self.run_steps)
+            paid = w * self.table_cost(self.explorer_table())
+        least = (paid + (self.run_steps - w) * float(self.costs[0])) / self.run_steps
         if least > target + 1e-9:
             name = "target_acr" if measure == "acr" else "target_causal_coverage"
+            start = (
+                f"{w} steps of explorers (formation_steps) beside the smallest candidate"
+                if self.ctl.explorers
+                else f"{w} warmup steps at full context"
+            )
             raise ConfigError(
-                f"model.aah.controller.{name}={target!r} cannot be the mean over this run: {w} warmup steps at full "
-                f"context and the smallest candidate ({self.candidates[0]}) afterwards already average {least:.4f} over "
-                f"{self.run_steps} steps; lower warmup_steps, add a smaller candidate or raise the target"
+                f"model.aah.controller.{name}={target!r} cannot be the mean over this run: {start} and the smallest "
+                f"candidate ({self.candidates[0]}) afterwards already average {least:.4f} over {self.run_steps} steps; "
+                f"lower warmup_steps or formation_steps, add a smaller candidate or raise the target"
             )
 
     def _level0(self, layer: int, d: Tensor) -> Partition:
@@ -273,14 +353,18 @@ class AdaptivePolicy(WindowPolicy):
         return [h.group_counts if h is not None else [] for h in self.hierarchies]
 
     def report(self) -> PolicyReport:
-        return _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
+        out = _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
+        out.need, out.need_signal = self.last_need, self.ctl.signal
+        return out
 
     @classmethod
     def report_from_state(cls, state: dict, candidates: list[int]) -> PolicyReport:
         hierarchies = [None if h is None else Hierarchy.from_state(h) for h in state.get("hierarchies") or []]
         windows = state.get("group_windows") or [None] * len(hierarchies)
         step = state.get("last_step")
-        return _report(candidates, None if step is None or step < 0 else int(step), hierarchies, windows)
+        out = _report(candidates, None if step is None or step < 0 else int(step), hierarchies, windows)
+        out.need = state.get("last_need")
+        return out
 
     # -- state -------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -300,6 +384,8 @@ class AdaptivePolicy(WindowPolicy):
             # Stateful allocators (``paper``: its fixed random networks) resume with the same weights.
             "allocator": self.allocator.state_dict() if hasattr(self.allocator, "state_dict") else {},
             "spend": self.spend.state_dict(),
+            "gain_ema": None if self.gain_ema is None else self.gain_ema.clone(),
+            "last_need": None if self.last_need is None else self.last_need.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -330,6 +416,16 @@ class AdaptivePolicy(WindowPolicy):
             self.allocator.load_state_dict(state["allocator"])
         if "spend" in state:  # optional: a state without it has counted no spend
             self.spend.load_state_dict(state["spend"])
+        gain, need = state.get("gain_ema"), state.get("last_need")  # optional: older checkpoints have neither
+        self.gain_ema = None if gain is None else gain.to(torch.float64).clone()
+        self.last_need = None if need is None else need.to(torch.float64).clone()
+
+
+def _explorers_apart(partition: Partition, explorers: int) -> Partition:
+    """``partition`` with heads ``0 .. explorers - 1`` each in a group of its own (groups in order of first head)."""
+    out = [[h] for h in range(explorers)]
+    out += [rest for rest in ([h for h in g if h >= explorers] for g in partition) if rest]
+    return canonical(out)
 
 
 def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> None:

@@ -38,6 +38,11 @@ class LayerInputs:
     current: candidate index of each head's window in the table in force (None before the first decision).
     settle_margin: dead band around ``coverage_target`` for ``reach`` (``settled_need``), one number or one per head
         and candidate (``[H, K]``); 0 = none.
+    floors: per head, the narrowest candidate index the head may take (reach first: an explorer holds its reach
+        during formation); None = no floor. Under a budget only.
+    capped: ``profile`` is a mass share, so a group never goes wider than the window holding ``coverage_target`` of
+        it. False when ``profile`` holds another need signal (the ``gain`` signal's loss decrease): every candidate is
+        open and the budget alone decides.
     """
 
     hierarchy: Hierarchy
@@ -50,6 +55,8 @@ class LayerInputs:
     layer: int = 0
     current: list[int] | None = None
     settle_margin: float | Tensor = 0.0
+    floors: list[int] | None = None
+    capped: bool = True
 
 
 def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:

@@ -52,8 +52,20 @@ def integer_costs(candidates: list[int], seq_len: int, measure: str) -> tuple[li
 
 
 def group_caps(inputs: LayerInputs) -> list[int]:
-    """Widest candidate index each level-0 group may take: the smallest holding ``coverage_target`` of its mass."""
-    return [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in inputs.hierarchy.levels[0]]
+    """Widest candidate index each level-0 group may take: the smallest holding ``coverage_target`` of its mass (the
+    widest candidate when the profile is not a mass share, ``capped=False``), and never below the group's floor."""
+    floors = group_floors(inputs)
+    if not inputs.capped:
+        return [len(inputs.candidates) - 1] * len(floors)
+    caps = [needed_index(inputs.profile[g].mean(0), inputs.coverage_target) for g in inputs.hierarchy.levels[0]]
+    return [max(c, f) for c, f in zip(caps, floors)]
+
+
+def group_floors(inputs: LayerInputs) -> list[int]:
+    """Narrowest candidate index each level-0 group may take: the highest floor of its heads (0 without floors)."""
+    if inputs.floors is None:
+        return [0] * len(inputs.hierarchy.levels[0])
+    return [max(inputs.floors[h] for h in g) for g in inputs.hierarchy.levels[0]]
 
 
 def multiple_choice_knapsack(values: list[Tensor], weights: list[list[int]], capacity: int) -> list[int]:
@@ -101,14 +113,20 @@ def _knapsack_over(layers: list[LayerInputs], measure: str, budget: float) -> li
     unit = reduce(math.gcd, per_head)
     if capacity // unit > MAX_UNITS:
         unit = -(-capacity // MAX_UNITS)
-    values, weights, owners = [], [], []
+    values, weights, owners, floors = [], [], [], []
     for layer, inp in enumerate(layers):
-        for g, (group, cap) in enumerate(zip(inp.hierarchy.levels[0], group_caps(inp))):
+        for g, (group, cap, floor) in enumerate(zip(inp.hierarchy.levels[0], group_caps(inp), group_floors(inp))):
             s = len(group)
-            values.append(s * inp.profile[group].mean(0)[: cap + 1])
+            v = s * inp.profile[group].mean(0)[: cap + 1].clone()
+            v[:floor] = -math.inf  # below its floor a group has no choice
+            values.append(v)
             weights.append([-(-s * c // unit) for c in per_head[: cap + 1]])  # rounded up: never over the budget
             owners.append((layer, g))
-    picks = multiple_choice_knapsack(values, weights, capacity // unit)
+            floors.append(floor)
+    if sum(w[f] for w, f in zip(weights, floors)) > capacity // unit:
+        picks = floors  # the floors alone exceed the ceiling: they hold, everything else takes its narrowest window
+    else:
+        picks = multiple_choice_knapsack(values, weights, capacity // unit)
     chosen: list[list[list[int]]] = [[[0] * len(level) for level in inp.hierarchy.levels] for inp in layers]
     for (layer, g), j in zip(owners, picks):
         chosen[layer][0][g] = j

@@ -1,0 +1,155 @@
+"""protocol.md: the recall frontier compared with exact tests, because its outcomes are bimodal.
+
+A seed of the recall task either forms the retrieval circuit (recall near 1) or it does not (near chance), so a mean
+and a t interval describe neither mode. Per row: how many seeds learned (final recall >= ``LEARNED``) with a
+Clopper-Pearson interval, and the recall past ``FAR`` tokens. Per comparison (a row against its budget's control,
+and every controller row against the oracle): Fisher's exact test of the two counts, and the sign test and the
+paired permutation test of the per-seed recall differences (seeds paired: the same seed is the same initialisation
+and, for every row, the same data). Every p-value of the table joins one Holm family; a comparison is called
+``better`` or ``worse`` only where one of its Holm-adjusted p-values is below 0.05, in the direction of the
+difference.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+from aah_lightning.experiments import stats
+from aah_lightning.experiments.tables import FRONTIER_ROW, fmt
+
+LEARNED = 0.9  # final recall accuracy at which a seed counts as having learned the task
+FAR = 128  # recall past this distance needs a window wider than FAR
+ALPHA = 0.05
+CONTROLS = ("fixed_warm", "fixed")  # the budget's control row: the first of these the suite ran
+ORACLE = "oracle"
+CONTROLLERS = re.compile(r"^(adaptive|reach|gain)")  # rows whose windows a controller decides
+
+
+def far_recall(rec: dict) -> float:
+    """Mean recall of the distance buckets that start past ``FAR`` (NaN without any)."""
+    values = [v for k, v in rec.items() if k.startswith("recall ") and int(k.split(" ")[1].split("-")[0]) > FAR]
+    return sum(values) / len(values) if values else math.nan
+
+
+def learned(rec: dict) -> bool:
+    return rec.get("recall_acc", math.nan) >= LEARNED
+
+
+def long_head_layer(table: list[list[int]]) -> str:
+    """The layer(s) holding the table's widest window, e.g. ``L1``; ``-`` when every head has the same window."""
+    widest = max(max(row) for row in table)
+    if all(w == widest for row in table for w in row):
+        return "-"
+    return "+".join(f"L{layer}" for layer, row in enumerate(table) if widest in row)
+
+
+def row_summary(recs: list[dict], heads: dict[int, dict]) -> list[str]:
+    k, n = sum(map(learned, recs)), len(recs)
+    low, high = stats.clopper_pearson(k, n)
+    far = [far_recall(x) for x in recs if learned(x)]
+    tables = [heads[x["seed"]]["final_table"] for x in recs if x["seed"] in heads]
+    layers = Counter(long_head_layer(t) for t in tables)
+    widest = Counter(max(max(r) for r in t) for t in tables)
+    wall = [x.get("wall_s", math.nan) for x in recs]
+    return [
+        f"{k}/{n}",
+        f"[{low:.2f}, {high:.2f}]",
+        fmt(*stats.mean_std([x.get("recall_acc", math.nan) for x in recs]), 3),
+        fmt(*stats.mean_std(far), 3) if far else "–",
+        ", ".join(f"{name} {c}" for name, c in sorted(layers.items())) or "–",
+        ", ".join(f"{w}: {c}" for w, c in sorted(widest.items())) or "–",
+        f"{stats.mean_std(wall)[0]:.0f}",
+    ]
+
+
+def comparisons(by_row: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """(row, reference) pairs: every row of a budget against the budget's control, every controller row also
+    against the oracle of its budget."""
+    targets: dict[str, dict[str, str]] = {}
+    for r in by_row:
+        m = FRONTIER_ROW.match(r)
+        if m and by_row[r]:
+            targets.setdefault(m["target"], {})[m["family"]] = r
+    pairs = []
+    for target in sorted(targets, key=float):
+        fam = targets[target]
+        control = next((fam[c] for c in CONTROLS if c in fam), None)
+        for family, r in sorted(fam.items()):
+            if control is not None and r != control:
+                pairs.append((r, control))
+            if CONTROLLERS.match(family) and ORACLE in fam:
+                pairs.append((r, fam[ORACLE]))
+    return pairs
+
+
+def compare(a: list[dict], b: list[dict]) -> dict:
+    """The exact tests of row ``a`` against row ``b``: counts (Fisher) and seed-paired recall differences."""
+    ka, kb = sum(map(learned, a)), sum(map(learned, b))
+    recall_b = {x["seed"]: x.get("recall_acc", math.nan) for x in b}
+    diffs = [x["recall_acc"] - recall_b[x["seed"]] for x in a if x["seed"] in recall_b]
+    return {
+        "counts": (ka, len(a), kb, len(b)),
+        "diff": stats.mean_std(diffs)[0] if diffs else math.nan,
+        "pairs": len(diffs),
+        "p": [
+            stats.fisher_exact(ka, len(a) - ka, kb, len(b) - kb),
+            stats.sign_test(diffs) if diffs else math.nan,
+            stats.paired_permutation_test(diffs) if diffs else math.nan,
+        ],
+    }
+
+
+def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tuple[str, int], dict]) -> str:
+    """protocol.md's two tables: the rows, and the comparisons with Holm-adjusted exact tests."""
+    lines = [
+        f"Seeds that learned: final recall >= {LEARNED}. Far recall: mean over the distance buckets past {FAR} tokens, "
+        "of the seeds that learned. Long head: the layer holding the final table's widest window, per seed.",
+        "",
+        "| row | learned | 95 % CI (Clopper-Pearson) | recall (mean ± std) | far recall (learned seeds) | long head "
+        "in | widest window | wall s / run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        recs = by_row.get(r) or []
+        if recs and "recall_acc" in recs[0]:
+            mine = {seed: h for (row, seed), h in heads.items() if row == r}
+            lines.append("| " + " | ".join([r, *row_summary(recs, mine)]) + " |")
+    pairs = comparisons({r: by_row.get(r) or [] for r in rows})
+    results = [compare(by_row[a], by_row[b]) for a, b in pairs]
+    flat = [p for res in results for p in res["p"]]
+    adjusted = stats.holm(flat)
+    lines += [
+        "",
+        f"Comparisons: {len(pairs)}; Holm's correction over all {sum(not math.isnan(p) for p in flat)} p-values "
+        "below (Fisher's exact test of the counts, the sign test and the paired permutation test of the per-seed "
+        f"recall differences). A verdict needs a Holm-adjusted p < {ALPHA}.",
+        "",
+        "| row | against | learned | Δ recall (paired mean) | p Fisher | p sign | p permutation | Holm: Fisher / "
+        "sign / permutation | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, ((a, b), res) in enumerate(zip(pairs, results)):
+        adj = adjusted[3 * i : 3 * i + 3]
+        ka, na, kb, nb = res["counts"]
+        resolved = any(not math.isnan(p) and p < ALPHA for p in adj)
+        direction = (ka / na - kb / nb) if adj[0] < ALPHA else res["diff"]
+        verdict = ("better" if direction > 0 else "worse") if resolved and direction != 0 else "not resolved"
+        cells = [
+            a,
+            b,
+            f"{ka}/{na} vs {kb}/{nb}",
+            f"{res['diff']:+.3f} ({res['pairs']} seeds)",
+            *(_p(p) for p in res["p"]),
+            " / ".join(_p(p) for p in adj),
+            verdict,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _p(p: float) -> str:
+    if math.isnan(p):
+        return "–"
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"

@@ -1,0 +1,85 @@
+"""The exact tests of experiments/stats.py, against hand-computed values and scipy's, and protocol.md built from
+constructed records."""
+
+import math
+import random
+
+import pytest
+from scipy import stats as scipy_stats
+
+from aah_lightning.experiments import protocol, stats
+
+
+def test_hand_computed_values():
+    # Fisher: [[5, 0], [0, 5]]: only the observed and the mirror table are as extreme, each 1 / C(10, 5).
+    assert math.isclose(stats.fisher_exact(5, 0, 0, 5), 2 / math.comb(10, 5))
+    assert stats.fisher_exact(3, 2, 3, 2) == pytest.approx(1.0)
+    # Sign test: 5 of 5 positive, two-sided: 2 / 32; zeros do not count.
+    assert math.isclose(stats.sign_test([1, 2, 3, 4, 5]), 0.0625)
+    assert math.isclose(stats.sign_test([1, 2, 3, 4, 5, 0, 0]), 0.0625)
+    assert stats.sign_test([0, 0]) == 1.0
+    # Permutation: all 5 positive and distinct: only the observed and its mirror reach |sum| = 15 of 32 flips.
+    assert math.isclose(stats.paired_permutation_test([1, 2, 3, 4, 5]), 2 / 32)
+    # Clopper-Pearson at the edges: 0 of n has the upper bound 1 - (alpha/2)^(1/n); n of n the mirror.
+    low, high = stats.clopper_pearson(0, 10)
+    assert low == 0.0 and math.isclose(high, 1 - 0.025 ** (1 / 10), rel_tol=1e-9)
+    low, high = stats.clopper_pearson(10, 10)
+    assert high == 1.0 and math.isclose(low, 0.025 ** (1 / 10), rel_tol=1e-9)
+    # Holm: sorted p times (m - rank), monotone, capped, in the input's order; NaN stays out of the family.
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    out = stats.holm([0.2, math.nan, 0.6])
+    assert out[0] == pytest.approx(0.4) and math.isnan(out[1]) and out[2] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (7, 10), (10, 10), (9, 20), (1, 5)])
+def test_clopper_pearson_equals_scipy(k, n):
+    want = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    got = stats.clopper_pearson(k, n)
+    assert got == pytest.approx((want.low, want.high), abs=1e-9)
+
+
+def test_fisher_sign_and_permutation_equal_scipy():
+    rng = random.Random(0)
+    for _ in range(30):
+        n1, n2 = rng.randint(1, 20), rng.randint(1, 20)
+        a, c = rng.randint(0, n1), rng.randint(0, n2)
+        want = scipy_stats.fisher_exact([[a, n1 - a], [c, n2 - c]]).pvalue
+        assert stats.fisher_exact(a, n1 - a, c, n2 - c) == pytest.approx(want, rel=1e-9)
+    for _ in range(10):
+        diffs = [rng.choice([-1, 1]) * rng.random() for _ in range(rng.randint(3, 12))]
+        pos = sum(d > 0 for d in diffs)
+        assert stats.sign_test(diffs) == pytest.approx(scipy_stats.binomtest(pos, len(diffs)).pvalue, rel=1e-9)
+        want = scipy_stats.permutation_test(
+            (diffs,), lambda x: sum(x), permutation_type="samples", n_resamples=math.inf
+        ).pvalue
+        assert stats.paired_permutation_test(diffs) == pytest.approx(want, rel=1e-9)
+
+
+def records(row: str, recalls: list[float], far: float = 1.0) -> list[dict]:
+    return [
+        {"row": row, "seed": s, "recall_acc": r, "recall 1-32": r, "recall 225-256": far if r >= 0.9 else 0.1}
+        for s, r in enumerate(recalls)
+    ]
+
+
+def test_protocol_calls_better_only_what_survives_holm():
+    """10 of 10 learned against 0 of 10 survives Holm over the table; 6 of 10 against 3 of 10 does not."""
+    by_row = {
+        "fixed_warm_acr0.25": records("fixed_warm_acr0.25", [0.1] * 10),
+        "reach_mass_acr0.25": records("reach_mass_acr0.25", [1.0] * 10),
+        "random_l1_acr0.25": records("random_l1_acr0.25", [1.0] * 6 + [0.1] * 4),
+        "oracle_acr0.25": records("oracle_acr0.25", [1.0] * 10),
+    }
+    heads = {("reach_mass_acr0.25", s): {"final_table": [[16, 16, 16, 16], [256, 64, 32, 32]]} for s in range(10)}
+    rows = list(by_row)
+    md = protocol.protocol_md(by_row, rows, heads)
+    cells = [line.split(" | ") for line in md.splitlines() if line.startswith("| ")]
+    lines = {c[0].strip("| ") + " vs " + c[1]: " | ".join(c) for c in cells if len(c) > 1}
+    assert lines["reach_mass_acr0.25 vs fixed_warm_acr0.25"].endswith("better |")
+    assert lines["reach_mass_acr0.25 vs oracle_acr0.25"].endswith("not resolved |")
+    assert lines["oracle_acr0.25 vs fixed_warm_acr0.25"].endswith("better |")
+    assert "| reach_mass_acr0.25 | 10/10 | [0.69, 1.00] |" in md
+    assert "L1 10" in md  # the long head's layer, from the final tables
+    # 6/10 vs 0/10: Fisher p = 0.011, which Holm over the table's 12 p-values lifts above 0.05.
+    assert "random_l1_acr0.25 vs fixed_warm_acr0.25" in lines
+    assert lines["random_l1_acr0.25 vs fixed_warm_acr0.25"].endswith("not resolved |")

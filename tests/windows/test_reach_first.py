@@ -1,0 +1,182 @@
+"""Reach first and the gain signal: the controller's two ways of finding the heads that need context from step 0.
+
+A tiny task whose answer is known: every target repeats the token ``DISTANCE`` back, so one head must see that far
+and nothing else needs to. Trained by hand (no Lightning) for a few hundred steps on the CPU's banded backend.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aah_lightning.errors import ConfigError
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
+from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.controller.allocators import LayerInputs
+from aah_lightning.windows.controller.budget import allocate_within_budget
+from aah_lightning.windows.controller.gain import run_gain_probe
+from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.policy_base import make_policy
+
+T, VOCAB, DISTANCE, HEADS = 32, 16, 20, 4
+CANDS = [4, 8, 16, 32]
+
+
+def copy_batch(g: torch.Generator, n: int = 16) -> dict:
+    """Token t repeats token t - DISTANCE; only those targets count (``loss_mask``)."""
+    x = torch.randint(0, VOCAB, (n, T + 1), generator=g)
+    x[:, DISTANCE:] = x[:, : T + 1 - DISTANCE].clone()
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask[:, DISTANCE - 1 :] = True
+    return {"tokens": x, "loss_mask": mask}
+
+
+def loss_of(model: GPT, batch: dict) -> torch.Tensor:
+    inputs, targets, mask = batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["loss_mask"]
+    losses = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+    return (losses * mask.flatten()).sum() / mask.sum()
+
+
+def train(model: GPT, steps: int, policy=None, seed: int = 1) -> tuple[float, list[torch.Tensor]]:
+    """Train ``model`` (the policy deciding before each step, as the LightningModule does); the last loss, tables."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    tables = []
+    for step in range(steps):
+        batch = copy_batch(g)
+        if policy is not None:
+            table = policy.on_train_step(step, model, batch)
+            if table is not None:
+                model.set_windows(table)
+        tables.append(model.windows.clone())
+        loss = loss_of(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss.detach()), tables
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=1, n_head=HEADS, n_embd=64))
+
+
+def reach_first(signal: str, formation: int = 100, target: float = 0.35) -> ControllerConfig:
+    return ControllerConfig(
+        signal=signal,
+        explorers=1,
+        formation_steps=formation,
+        warmup_steps=0,
+        control_interval=25,
+        coverage_target=1.0,
+        target_acr=target,
+        budget_scope="model",
+        budget_over_run=True,
+        grouping="none",
+        probe_queries=32,
+    )
+
+
+@pytest.mark.parametrize("signal", ["mass", "gain"])
+def test_an_explorer_learns_to_use_its_reach_and_keeps_it(signal):
+    """From step 0 head 0 holds the whole context (the explorer table costs ACR 0.344, within the budget 0.35); the
+    task needs it; after formation the signal measures that need, so the reach stays, and the loss is solved."""
+    model = tiny_model()
+    policy = make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=reach_first(signal)), 1, HEADS, T)
+    policy.set_run_length(300)
+    assert policy.initial_table().tolist() == [[32, 4, 4, 4]]
+    model.set_windows(policy.initial_table())
+    loss, tables = train(model, 300, policy)
+    assert all(t[0, 0] == 32 for t in tables[:100])  # held through formation
+    assert loss < 0.1  # the head with reach learned to copy from 20 tokens back
+    final = tables[-1][0]
+    assert int(final.max()) > DISTANCE  # and after formation some head still reaches the answer
+    assert policy.decisions >= 8  # decisions went on after formation (every 25 steps)
+
+
+def test_without_reach_the_task_is_not_learned():
+    """The control: the same budget spent as one window for all (8 tokens: ACR 0.25) cannot see 20 back."""
+    model = tiny_model()
+    model.set_windows(torch.full((1, HEADS), 8))
+    loss, _ = train(model, 300)
+    assert loss > 1.5  # near chance (ln 16 = 2.77)
+
+
+def test_gain_ranks_the_head_that_needs_reach_above_those_that_do_not():
+    """A trained model where head 0 has the whole context and uses it, heads 1..3 have 4 tokens: the gain of the
+    widest window is far larger for head 0, and it is the real loss change of taking head 0's reach away."""
+    model = tiny_model()
+    model.set_windows(torch.tensor([[32, 4, 4, 4]]))
+    train(model, 200)
+    batch = copy_batch(torch.Generator().manual_seed(7), n=4)
+    tokens, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    _, gain, se2 = run_gain_probe(model, tokens, targets, None, batch["loss_mask"], CANDS, n_sequences=4, n_queries=32)
+    assert gain.shape == (1, HEADS, len(CANDS)) and torch.all(gain[..., 0] == 0)  # relative to the narrowest
+    far = gain[0, :, -1]
+    assert far[0] > 0.5  # losing reach costs head 0 more than half a nat
+    assert far[0] > 10 * far[1:].abs().max()
+    assert float(se2[0, 0, -1].sqrt()) < far[0] / 4  # measured, not noise
+    with torch.no_grad():  # the same number by hand: head 0 narrowed like the others
+        full = float(loss_of(model, batch))
+        model.set_windows(torch.tensor([[4, 4, 4, 4]]))
+        narrow = float(loss_of(model, batch))
+    assert abs(float(far[0]) - (narrow - full)) < 1e-3 * max(1.0, narrow - full)
+
+
+def test_floors_hold_in_the_knapsack_and_alone_when_they_overspend():
+    """An explorer's floor is a hard lower bound of its window; floors that alone exceed the ceiling hold anyway,
+    with every other head at its narrowest."""
+    h = Hierarchy([[[0], [1], [2], [3]]])
+    profile = torch.tensor([[0.1, 0.2, 0.3, 1.0], [0.2, 0.9, 1.0, 1.0], [0.3, 0.95, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]])
+    inputs = LayerInputs(h, profile.double(), profile.double(), CANDS, T, 1.0, floors=[3, 0, 0, 0])
+    chosen = allocate_within_budget([inputs], "acr", 0.5)[0][0]
+    assert chosen[0] == 3 and sum(CANDS[j] for j in chosen) <= 0.5 * 4 * T
+    tight = allocate_within_budget([inputs], "acr", 0.3)[0][0]  # 32 + 3 x 4 = 44 > 0.3 x 128
+    assert tight == [3, 0, 0, 0]
+
+
+def test_gain_values_are_not_capped_by_coverage():
+    """With ``capped=False`` (the gain signal) every candidate is open: a head whose gain keeps rising takes the
+    widest window the budget allows, though its 'profile' is no mass share."""
+    h = Hierarchy([[[0], [1]]])
+    gain = torch.tensor([[0.0, 0.01, 0.02, 0.8], [0.0, -0.01, -0.02, -0.03]], dtype=torch.float64)
+    inputs = LayerInputs(h, gain, gain, CANDS, T, 1.0, capped=False)
+    assert allocate_within_budget([inputs], "acr", (32 + 4) / 64)[0][0] == [3, 0]
+
+
+def test_reach_first_settings_are_checked():
+    def check(**kw):
+        base = dict(target_acr=0.35, budget_scope="model", budget_over_run=True, warmup_steps=0)
+        cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(**{**base, **kw}))
+        make_policy(cfg, 1, HEADS, T)
+
+    with pytest.raises(ConfigError, match="model.aah.controller.explore_window"):
+        check(explorers=1, formation_steps=10, explore_window=20)
+    with pytest.raises(ConfigError, match="model.aah.controller.formation_steps"):
+        check(explorers=1, formation_steps=0)
+    with pytest.raises(ConfigError, match="model.aah.controller.explorers"):
+        check(explorers=5, formation_steps=10)
+    with pytest.raises(ConfigError, match="model.aah.controller.signal"):
+        check(signal="attention")
+    with pytest.raises(ConfigError, match="only with a budget"):
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(signal="gain")).validate(T, 1, HEADS)
+    # Explorers that cannot fit the run's budget are refused before training, naming formation_steps.
+    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=reach_first("mass", formation=290, target=0.2))
+    policy = make_policy(cfg, 1, HEADS, T)
+    with pytest.raises(ConfigError, match="formation_steps"):
+        policy.set_run_length(300)
+
+
+def test_the_gain_signal_state_survives_a_checkpoint():
+    """The smoothed gain and the need that decided travel through ``state_dict`` (and are identical after it)."""
+    model = tiny_model()
+    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=reach_first("gain"))
+    policy = make_policy(cfg, 1, HEADS, T)
+    policy.set_run_length(300)
+    model.set_windows(policy.initial_table())
+    train(model, 60, policy)
+    state = policy.state_dict()
+    again = make_policy(cfg, 1, HEADS, T)
+    again.load_state_dict(state)
+    assert torch.equal(again.gain_ema, policy.gain_ema) and torch.equal(again.last_need, policy.last_need)
+    assert again.report().need_signal == "gain" and torch.equal(again.report().need, policy.report().need)
