@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 
 SLOT = 3  # k v k
 GAPS = ("mix", "uniform", "loguniform")
+TASKS = ("mqar", "copy")  # multi-query associative recall; a copy at one distance (``copy_sequence``)
 SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
@@ -79,6 +80,21 @@ def recall_sequence(rng: np.random.Generator, length: int, n_keys: int, n_values
     return tokens, (answer > 0) | echo, answer
 
 
+def copy_sequence(rng: np.random.Generator, length: int, vocab: int, distance: int):
+    """The second long-range task: ``(tokens, loss_mask, distance)`` as ``recall_sequence`` returns them.
+
+    The first ``distance`` tokens are uniform over ``[0, vocab)``; every later token repeats the token exactly
+    ``distance`` back. Only the copies count, and each is an answer at ``distance``. Unlike associative recall this
+    needs no circuit across layers: one head of any layer that reaches ``distance`` back by position solves it (the
+    oracle puts it in layer 0), and nothing nearer helps (recall's answers lie at every distance, these at one)."""
+    tokens = rng.integers(0, vocab, size=length)
+    for t in range(distance, length):
+        tokens[t] = tokens[t - distance]
+    targets = np.arange(1, length)
+    mask = targets >= distance
+    return tokens.astype(np.int64), mask, np.where(mask, distance, 0).astype(np.int64)
+
+
 class RecallBlocks(Dataset):
     """``count`` recall sequences of ``seq_len + 1`` tokens (one training block each) of one split.
 
@@ -97,9 +113,12 @@ class RecallBlocks(Dataset):
         seed: int = 0,
         split: str = "train",
         offset: int = 0,
+        task: str = "mqar",
+        copy_distance: int | None = None,
     ):
         self.seq_len, self.count, self.n_keys, self.n_values = seq_len, count, n_keys, n_values
         self.gaps, self.seed, self.split, self.offset = gaps, seed, SPLITS[split], offset
+        self.task, self.copy_distance = task, copy_distance
 
     def __len__(self) -> int:
         return self.count
@@ -108,7 +127,12 @@ class RecallBlocks(Dataset):
         if not 0 <= i < self.count:
             raise IndexError(i)
         rng = np.random.default_rng([self.seed, self.split, i])
-        tokens, mask, distance = recall_sequence(rng, self.seq_len + 1, self.n_keys, self.n_values, self.gaps)
+        if self.task == "copy":
+            tokens, mask, distance = copy_sequence(
+                rng, self.seq_len + 1, self.n_keys + self.n_values, self.copy_distance
+            )
+        else:
+            tokens, mask, distance = recall_sequence(rng, self.seq_len + 1, self.n_keys, self.n_values, self.gaps)
         return {
             "tokens": torch.from_numpy(tokens + self.offset),
             "doc_ids": torch.zeros(self.seq_len + 1, dtype=torch.int64),

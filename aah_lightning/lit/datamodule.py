@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from aah_lightning.data import corpora, prepare
 from aah_lightning.data.packing import EndlessSampler, TokenBlocks
 from aah_lightning.data.prompts import prompt_loader
-from aah_lightning.data.recall import GAPS, RecallBlocks
+from aah_lightning.data.recall import GAPS, TASKS, RecallBlocks
 from aah_lightning.data.streaming import StreamedBlocks, held_out_head
 from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.token_folder import TokenStream, open_folder, read_meta
@@ -110,6 +110,8 @@ class TextDataModule(L.LightningDataModule):
         recall_gaps: Literal["mix", "uniform", "loguniform"] = "mix",
         recall_blocks: int = 1_000_000,
         recall_fraction: float = 0.0,
+        recall_task: Literal["mqar", "copy"] = "mqar",
+        recall_copy_distance: Optional[int] = None,
         num_workers: int = 0,
         num_proc: Optional[int] = None,
         seed: int = 1234,
@@ -150,6 +152,10 @@ class TextDataModule(L.LightningDataModule):
                 test use val_blocks / test_blocks sequences of their own.
             recall_fraction: with a text source (stdlib, files, tokens): this share of the training, validation and
                 test blocks are recall sequences, with ids above the tokenizer's (0 = none).
+            recall_task: mqar (multi-query associative recall) or copy (every token after the first
+                recall_copy_distance repeats the one that far back; data/recall.py).
+            recall_copy_distance: the copy task's distance; default 5/8 of seq_len (160 at T = 256: only a window
+                wider than T/2 reaches it).
             num_workers: DataLoader workers.
             num_proc: tokenizer processes when a token folder is prepared; default 1 for corpora under 64 MB of
                 text, else up to 4.
@@ -185,6 +191,14 @@ class TextDataModule(L.LightningDataModule):
             "data.recall_fraction",
             recall_fraction,
             "in [0, 1), and above 0 only with data.source stdlib, files or tokens",
+        )
+        require(recall_task in TASKS, "data.recall_task", recall_task, f"one of {', '.join(TASKS)}")
+        require(
+            recall_copy_distance is None
+            or (isinstance(recall_copy_distance, int) and 0 < recall_copy_distance < seq_len),
+            "data.recall_copy_distance",
+            recall_copy_distance,
+            f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={seq_len})",
         )
         if source == "recall" or recall_fraction > 0:
             slots = -(-(seq_len + 1) // 3)
@@ -340,7 +354,16 @@ class TextDataModule(L.LightningDataModule):
     def _recall_blocks(self, count: int, split: str, offset: int = 0) -> RecallBlocks:
         hp = self.hparams
         return RecallBlocks(
-            hp.seq_len, count, hp.recall_keys, hp.recall_values, hp.recall_gaps, hp.seed, split, offset=offset
+            hp.seq_len,
+            count,
+            hp.recall_keys,
+            hp.recall_values,
+            hp.recall_gaps,
+            hp.seed,
+            split,
+            offset=offset,
+            task=hp.recall_task,
+            copy_distance=hp.recall_copy_distance or hp.seq_len * 5 // 8,
         )
 
     def _setup_stream(self) -> None:

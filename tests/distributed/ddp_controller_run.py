@@ -1,6 +1,7 @@
 """Two-process DDP run (gloo, CPU) of the adaptive policy; each rank saves what it decided.
 
-Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR``; Lightning's ddp launcher
+Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR
+[MECHANISM]`` (``mass``, the default, or ``reach_gain``: explorers and the gain signal); Lightning's ddp launcher
 starts rank 1 by running this same command again.
 """
 
@@ -27,11 +28,16 @@ class Record(L.Callback):
         self.batches.append(int(batch["tokens"].sum()))
 
 
-def main(out_dir: str) -> None:
+MECHANISMS = {"mass": {}, "reach_gain": {"signal": "gain", "explorers": 1, "formation_steps": 6}}
+
+
+def main(out_dir: str, mechanism: str = "mass") -> None:
     L.seed_everything(0)
     T = 64
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic_documents=200, seed=0)
-    controller = ControllerConfig(warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2)
+    controller = ControllerConfig(
+        warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2, **MECHANISMS[mechanism]
+    )
     model = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size),
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32, 64], controller=controller),
@@ -60,4 +66,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

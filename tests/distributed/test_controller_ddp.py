@@ -12,10 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.heavy
-def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path):
+@pytest.mark.parametrize("mechanism", ["mass", "reach_gain"])
+def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path, mechanism):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_controller_run.py")), str(tmp_path)],
+        [sys.executable, str(Path(__file__).with_name("ddp_controller_run.py")), str(tmp_path), mechanism],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -305,3 +305,34 @@ def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
     trainer.fit(module, dm)
     images = read_events(tmp_path)["images"]["aah/window_map"]
     assert [im.step for im in images] == [1, 4, 7]
+
+
+def test_why_the_controller_chose_reaches_tensorboard(tmp_path, tiny_args):
+    """Reach first with the gain signal: every head's window is a curve (the explorers' reach is visible from the
+    first step and changes when formation ends), and every decision logs each head's need for every candidate."""
+    main(
+        tiny_args(
+            "--model.aah.policy=adaptive",
+            "--model.aah.candidates=[4,8,16,32]",
+            "--model.aah.controller.signal=gain",
+            "--model.aah.controller.explorers=1",
+            "--model.aah.controller.formation_steps=4",
+            "--model.aah.controller.warmup_steps=0",
+            "--model.aah.controller.control_interval=2",
+            "--model.aah.controller.target_acr=0.3",
+            "--model.aah.controller.budget_scope=model",
+            "--model.aah.controller.budget_over_run=true",
+            "--model.aah.controller.probe_queries=8",
+            steps=8,
+        )
+    )
+    scalars = read_events(tmp_path / "runs")["scalars"]
+    explorer = dict(scalars["aah/head_window/layer_1/head_0"])
+    assert explorer[min(explorer)] == 32.0  # the explorer holds the widest window from the start
+    for layer in (0, 1):
+        for head in range(4):
+            assert f"aah/head_window/layer_{layer}/head_{head}" in scalars
+            for w in (4, 8, 16, 32):
+                need = scalars[f"aah/need/layer_{layer}/head_{head}/{w}"]
+                assert sorted(s for s, _ in need) == [1, 3, 5, 7]  # the steps after each decision (0, 2, 4, 6)
+    assert all(v == 0.0 for _, v in scalars["aah/need/layer_0/head_1/4"])  # gains are relative to the narrowest

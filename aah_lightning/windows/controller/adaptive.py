@@ -73,6 +73,7 @@ class AdaptivePolicy(WindowPolicy):
         # Reach first: the explorers' window, and the need signal that decided the last table ([L, H, K]).
         self.explore_index = self.candidates.index(self.ctl.explore_window or self.candidates[-1])
         self.gain_ema: Tensor | None = None
+        self.gain_se2_ema: Tensor | None = None  # its squared standard error (of moving from the table in force)
         self.last_need: Tensor | None = None
         self.spend = RunSpend(self.table_cost(self.initial_table()))
 
@@ -187,12 +188,13 @@ class AdaptivePolicy(WindowPolicy):
             self.ema = c.ema_alpha * self.ema + (1 - c.ema_alpha) * x
         profiles = self.profiles(self.ema)
         if gain is not None:  # the need the knapsack maximises: the smoothed loss decrease instead of mass
-            self.gain_ema = (
-                gain.clone()
-                if self.gain_ema is None or c.ema_alpha == 0
-                else (c.ema_alpha * self.gain_ema + (1 - c.ema_alpha) * gain)
-            )
-            profiles, noise = self.gain_ema.clone(), gain_se2.clamp_min(0).sqrt()
+            a = c.ema_alpha
+            if self.gain_ema is None or a == 0:
+                self.gain_ema, self.gain_se2_ema = gain.clone(), gain_se2.clamp_min(0)
+            else:  # the smoothed estimate and its variance (probes are independent draws)
+                self.gain_ema = a * self.gain_ema + (1 - a) * gain
+                self.gain_se2_ema = a * a * self.gain_se2_ema + (1 - a) ** 2 * gain_se2.clamp_min(0)
+            profiles, noise = self.gain_ema.clone(), self.gain_se2_ema.sqrt()
         forming = self.forming(step)
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         held = None if self.table is None else torch.searchsorted(cand, self.table).tolist()
@@ -385,6 +387,7 @@ class AdaptivePolicy(WindowPolicy):
             "allocator": self.allocator.state_dict() if hasattr(self.allocator, "state_dict") else {},
             "spend": self.spend.state_dict(),
             "gain_ema": None if self.gain_ema is None else self.gain_ema.clone(),
+            "gain_se2_ema": None if self.gain_se2_ema is None else self.gain_se2_ema.clone(),
             "last_need": None if self.last_need is None else self.last_need.clone(),
         }
 
@@ -418,6 +421,8 @@ class AdaptivePolicy(WindowPolicy):
             self.spend.load_state_dict(state["spend"])
         gain, need = state.get("gain_ema"), state.get("last_need")  # optional: older checkpoints have neither
         self.gain_ema = None if gain is None else gain.to(torch.float64).clone()
+        se2 = state.get("gain_se2_ema")
+        self.gain_se2_ema = None if se2 is None else se2.to(torch.float64).clone()
         self.last_need = None if need is None else need.to(torch.float64).clone()
 
 

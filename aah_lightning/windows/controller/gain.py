@@ -8,8 +8,9 @@ share. The gain signal asks the loss instead: for head ``h`` of layer ``l`` and 
 
 the training loss on the probe sequences with that one head's window changed and every other head as the table has
 it. ``W_0``, the narrowest candidate, is a common reference, so that gains measured at different tables can be
-smoothed together: the knapsack's choice does not depend on a per-head constant. The standard error comes from the
-per-token loss differences.
+smoothed together: the knapsack's choice does not depend on a per-head constant. The standard error is that of the
+*move* from the head's window in force to ``W`` (the per-token loss differences of the two forwards, paired): it is
+what the settle rule weighs a move against, and far smaller than the error of either loss alone.
 
 Why measured and not first order. The first-order estimate ``-<dL/do_h, o_h(W) - o_h(W_0)>`` (the gradient of the
 loss along the change of the head's output, as DuoAttention's gates see it) costs one backward, but on a constructed
@@ -77,8 +78,9 @@ def run_gain_probe(
     n_queries: int = 64,
     generator: torch.Generator | None = None,
 ) -> tuple[ProbeResult, Tensor, Tensor]:
-    """Gain of every candidate for every head, ``[L, H, K]`` float64 on CPU (0 at the narrowest), its squared standard
-    error, and the mass probe of the same sequences (for the grouping features)."""
+    """Gain of every candidate for every head, ``[L, H, K]`` float64 on CPU (0 at the narrowest), the squared standard
+    error of moving each head from its window in force to each candidate (0 at its own window), and the mass probe
+    of the same sequences (for the grouping features)."""
     probe = run_probe(model, tokens, doc_ids, n_sequences, n_queries, generator)
     tokens, targets = tokens[:n_sequences], targets[:n_sequences]
     docs = None if doc_ids is None else doc_ids[:n_sequences]
@@ -105,9 +107,9 @@ def run_gain_probe(
                     plans[layer] = OneHeadWindow(plans[layer], head, w, docs)
                     losses.append(_token_losses(model, tokens, targets, docs, plans)[counted].double())
                 for j, lj in enumerate(losses):
-                    diff = losses[0] - lj
-                    gain[layer, head, j] = diff.mean()
-                    se2[layer, head, j] = diff.var(unbiased=True) / n_counted if n_counted > 1 else 0.0
+                    gain[layer, head, j] = (losses[0] - lj).mean()
+                    move = base - lj  # from the window in force to candidate j, token by token
+                    se2[layer, head, j] = move.var(unbiased=True) / n_counted if n_counted > 1 else 0.0
     finally:
         model.train(was_training)
     return probe, gain, se2.nan_to_num(0.0)
