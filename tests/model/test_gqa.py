@@ -19,6 +19,7 @@ from aah_lightning.model import masks
 from aah_lightning.model.attention import (
     AttentionPlanner,
     Plan,
+    Recording,
     expand_kv,
     fa4_window,
     flex,
@@ -246,3 +247,53 @@ def test_gqa_with_one_key_value_head_per_query_head_is_the_default_model():
     assert default.state_dict().keys() == explicit.state_dict().keys()
     tokens = torch.randint(257, (1, 32))
     torch.testing.assert_close(default(tokens), explicit(tokens), rtol=0, atol=0)
+
+
+def test_the_probe_sees_every_query_head_with_its_key_value_head():
+    """Recording (the probe's plan) expands the key/value heads: the probe reads each query head's keys."""
+    from aah_lightning.windows.probe import mass_within, run_probe
+
+    T = 32
+    model = gqa_model(2, T, seed=4)
+    tokens = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        result = run_probe(model, tokens, n_queries=8, generator=torch.Generator().manual_seed(0))
+        plain = model(tokens)
+        recorded = model(tokens, plans=[Recording(p) for p in model.attention_plans(T)])
+    torch.testing.assert_close(recorded, plain, rtol=0, atol=0)  # recording changes nothing
+    for k in result.k:
+        assert k.shape == (2, H, T, 8)
+        assert torch.equal(k[:, 0], k[:, 2]) and torch.equal(k[:, 3], k[:, 5])  # one key/value head per group of 3
+        assert not torch.equal(k[:, 2], k[:, 3])
+    full = mass_within(result, torch.full((2, H), T))
+    torch.testing.assert_close(full, torch.ones_like(full), rtol=0, atol=1e-6)
+
+
+@pytest.mark.heavy  # compiles two blocks on CPU
+def test_compiled_llama_blocks_under_gqa_train_like_eager():
+    from types import SimpleNamespace
+
+    from aah_lightning.lit import distributed
+
+    T = 32
+    table = torch.tensor([[5, T, 5, 12, T, 3], [T, 3, 20, 3, 7, T]], dtype=torch.int32)
+    tokens = torch.randint(97, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    settings = dict(n_kv_head=2, mlp="swiglu", norm="rmsnorm", qk_norm=True, qkv_bias=True, tie_embeddings=False)
+
+    def step(compiled: bool):
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=97, seq_len=T, n_layer=2, n_head=H, n_embd=48, backend="split", **settings)
+        model = GPT(cfg)
+        model.set_windows(table)
+        if compiled:
+            distributed.prepare_model(SimpleNamespace(model=model), compile_blocks=True, activation_checkpointing=False)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    eager, compiled = step(False), step(True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
