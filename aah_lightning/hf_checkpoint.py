@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.cfg
     print(
         f"{path}: {cfg.n_layer} layers x {cfg.n_head} heads ({cfg.kv_heads} key/value), d = {cfg.n_embd}, "
-        f"{model.num_params() / 1e6:.1f} M parameters, context {cfg.seq_len}"
+        f"{model.num_params():,} parameters, context {cfg.seq_len}"
     )
     return 0
 
