@@ -115,7 +115,8 @@ def gpt_config(hf: Mapping, seq_len: int | None = None, backend: str = "auto", w
 
 def window_table(hf: Mapping, cfg: GPTConfig, where="config.json") -> Tensor:
     """The model's own windows ``[n_layer, n_head]``: ``seq_len`` (full), or ``sliding_window`` on the layers that
-    slide (Mistral: every layer; Qwen2 / Qwen3: those ``layer_types`` marks, with ``use_sliding_window``)."""
+    slide (Mistral: every layer; Qwen2 / Qwen3 with ``use_sliding_window``: those ``layer_types`` marks, or in configs
+    without it the layers from ``max_window_layers`` on)."""
     table = torch.full((cfg.n_layer, cfg.n_head), cfg.seq_len, dtype=torch.int32)
     window = hf.get("sliding_window")
     kinds = hf.get("layer_types")
@@ -123,7 +124,9 @@ def window_table(hf: Mapping, cfg: GPTConfig, where="config.json") -> Tensor:
         kinds = ["sliding_attention"] * cfg.n_layer
     elif not hf.get("use_sliding_window", False):
         return table
-    kinds = kinds or ["full_attention"] * cfg.n_layer
+    if not kinds:  # configs written before layer_types: the layers from max_window_layers on slide
+        first = int(hf.get("max_window_layers", 0))
+        kinds = ["full_attention" if layer < first else "sliding_attention" for layer in range(cfg.n_layer)]
     for layer, kind in enumerate(kinds):
         if kind not in ("full_attention", "sliding_attention"):
             _refuse(where, f"layer_types[{layer}]", kind, "aah knows full_attention and sliding_attention")

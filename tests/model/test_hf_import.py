@@ -96,3 +96,33 @@ def test_missing_files_and_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no model.safetensors or model.safetensors.index.json"):
         hf_import.import_folder(tmp_path)
+
+
+def test_sliding_layers_of_configs_before_layer_types_follow_max_window_layers(tmp_path):
+    save_tiny("qwen2_sliding", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("layer_types") == ["full_attention", "sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf_import.import_folder(tmp_path).windows.tolist() == [[T] * 4, [6] * 4]
+
+
+def test_rope_settings_read_both_config_layouts():
+    """transformers 5 writes ``rope_parameters`` (with the base inside); earlier versions ``rope_theta`` and
+    ``rope_scaling`` (``type`` or ``rope_type``)."""
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    new = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}}
+    old = {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}}
+    want = {
+        "rope_base": 5e5,
+        "rope_scaling": "llama3",
+        "rope_factor": 8.0,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+        "rope_original_seq_len": 64,
+    }
+    assert hf_import.rope_settings(new) == hf_import.rope_settings(old) == want
+    linear = {"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert hf_import.rope_settings(linear) == {"rope_base": 1e4, "rope_scaling": "linear", "rope_factor": 2.0}
+    assert hf_import.rope_settings({}) == {"rope_base": 10000.0}
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
+        hf_import.rope_settings({"partial_rotary_factor": 0.5})
