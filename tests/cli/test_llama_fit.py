@@ -36,3 +36,13 @@ def test_a_llama_family_gpt_trains_with_windows_and_its_checkpoint_loads(tmp_pat
     assert set(table.flatten().tolist()) <= {4, 8, 16, 32} and len(set(table.flatten().tolist())) > 1
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
     assert not torch.equal(state["model.lm_head.weight"], state["model.wte.weight"])  # untied, trained apart
+
+
+def test_the_adaptive_controller_decides_on_a_gqa_model(tmp_path, tiny_args):
+    """The controller's probe reads every query head (its Recording expands the key/value heads) under GQA."""
+    controller = ["--model.aah.controller.warmup_steps=3", "--model.aah.controller.control_interval=3"]
+    gqa = ["--model.gpt.n_kv_head=1", "--model.aah.policy=adaptive", "--model.aah.candidates=[4,8,16,32]"]
+    main(tiny_args(*gqa, *controller, steps=9))
+    policy = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)[ck.POLICY_KEY]
+    assert policy["decisions"] >= 2  # at steps 3 and 6 at least
+    assert policy["ema"].shape[:2] == (2, 4) and torch.isfinite(policy["ema"]).all()  # features of each query head
