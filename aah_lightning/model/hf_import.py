@@ -93,12 +93,13 @@ def gpt_config(hf: Mapping, seq_len: int | None = None, backend: str = "auto", w
             _refuse(where, setting, hf[setting], "aah's Llama layout has biases on q, k, v only")
     n_embd, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or n_embd // n_head
+    n_kv = int(hf.get("num_key_value_heads") or n_head)
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]),
         seq_len=int(seq_len or hf["max_position_embeddings"]),
         n_layer=int(hf["num_hidden_layers"]),
         n_head=n_head,
-        n_kv_head=int(hf.get("num_key_value_heads") or n_head),
+        n_kv_head=None if n_kv == n_head else n_kv,  # as a config of aah's would say it
         n_embd=n_embd,
         head_size=None if head_dim * n_head == n_embd else int(head_dim),
         mlp="swiglu",

@@ -23,7 +23,7 @@ def test_imported_logits_equal_transformers(tmp_path, family):
         got = ours(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cfg = ours.cfg
-    assert (cfg.n_kv_head, cfg.mlp, cfg.norm) == (theirs.config.num_key_value_heads, "swiglu", "rmsnorm")
+    assert (cfg.kv_heads, cfg.mlp, cfg.norm) == (theirs.config.num_key_value_heads, "swiglu", "rmsnorm")
     assert cfg.tie_embeddings == (ours.lm_head.weight is ours.wte.weight)
     sliding = {"mistral_sliding": [[5] * 4] * 2, "qwen2_sliding": [[T] * 4, [6] * 4]}
     assert ours.windows.tolist() == sliding.get(family, [[T] * 4] * 2)
@@ -126,3 +126,9 @@ def test_rope_settings_read_both_config_layouts():
     assert hf_import.rope_settings({}) == {"rope_base": 10000.0}
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
         hf_import.rope_settings({"partial_rotary_factor": 0.5})
+
+
+def test_a_model_without_gqa_leaves_n_kv_head_unset(tmp_path):
+    save_tiny("mistral", tmp_path, num_key_value_heads=4)
+    cfg = hf_import.gpt_config(hf_import.read_config(tmp_path))
+    assert cfg.n_kv_head is None and cfg.kv_heads == 4
