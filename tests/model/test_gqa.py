@@ -110,7 +110,8 @@ def test_causal_plan_takes_fewer_key_value_heads(n_kv):
 def test_varlen_plans_match_reference_under_gqa(monkeypatch, n_kv, docs):
     monkeypatch.setattr(varlen, "varlen_attn", flash_stand_ins.flash_varlen_emulation)
     T = 90
-    row = (5, 90, 17, 5, 200, 1)
+    g = torch.Generator().manual_seed(10 + n_kv)
+    row = (5,) + tuple(random_windows(H - 1, T, g).tolist())  # random, with one windowed head at least
     doc_ids = documents(2, T, seed=1) if docs else None
     plan = varlen.VarlenBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=128)
     q, k, v = gqa_qkv(2, n_kv, T, seed=n_kv)
@@ -122,7 +123,8 @@ def test_varlen_plans_match_reference_under_gqa(monkeypatch, n_kv, docs):
 def test_fa4_window_plans_match_reference_under_gqa(monkeypatch, n_kv, docs):
     calls = flash_stand_ins.install(monkeypatch)
     T = 48
-    row = (9, 48, 3, 9, 60, 20)
+    g = torch.Generator().manual_seed(20 + n_kv)
+    row = (9,) + tuple(random_windows(H - 1, T, g).tolist())
     doc_ids = torch.tensor([[0] * 20 + [1] * 28, [3] * 5 + [4] * 40 + [5] * 3]) if docs else None
     plan = fa4_window.Fa4WindowBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=16)
     q, k, v = gqa_qkv(2, n_kv, T, seed=n_kv)
