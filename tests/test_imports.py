@@ -61,7 +61,7 @@ LAYERS = [
     ("checkpoint",),
     ("windows",),
     ("lit",),
-    ("validation", "export", "experiments", "benchmarks"),
+    ("validation", "export", "experiments", "benchmarks", "hf_checkpoint"),
     ("cli",),
     ("__main__",),
 ]

@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     print(args.prompt + tok.decode(out.tokens), flush=True)
     total = len(ids) + cfg.max_new_tokens
     c = model.cfg
-    cache = gen.cache_bytes(model.windows.tolist(), total, c.head_dim, dtype=next(model.parameters()).dtype)
-    full = gen.full_cache_bytes(c.n_layer, c.n_head, total, c.head_dim, dtype=next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    cache = gen.cache_bytes(model.windows.tolist(), total, c.head_dim, dtype=dtype, n_kv_head=c.kv_heads)
+    full = gen.full_cache_bytes(c.n_layer, c.kv_heads, total, c.head_dim, dtype=dtype)
     print(
         f"[{len(ids) - 1} prompt tokens, {len(out.tokens)} new ({out.stop}), {len(out.tokens) / seconds:.0f} "
         f"tokens/s; KV cache {cache / 2**10:.0f} KiB = {cache / full:.3f} of a full cache]",

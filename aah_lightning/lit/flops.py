@@ -2,8 +2,8 @@
 
 What a perfect kernel computes for one training sequence of length T (forward + backward = 3 x forward):
 
-* matmuls: ``2 * N`` FLOPs per token forward, N = weights of every linear layer (q/k/v, attention output, both MLP
-  matrices, and the LM head, which is tied to the embedding; the embedding lookup itself is no matmul). Biases,
+* matmuls: ``2 * N`` FLOPs per token forward, N = weights of every linear layer (q/k/v, attention output, the MLP's
+  matrices, and the LM head, tied to the embedding by default; the embedding lookup itself is no matmul). Biases,
   norms, GELU, RoPE and softmax are elementwise and not counted: this is the usual ``6 * N`` rule.
 * attention: ``4 * head_dim`` FLOPs per (query, key) pair forward (``q . k`` and ``p * v``), counted only for the
   causal pairs inside each head's window: ``pairs(W, T) = W(W+1)/2 + (T-W)W`` with ``W = min(W, T)``.
@@ -23,9 +23,11 @@ from aah_lightning.model.window_math import window_pairs
 
 
 def matmul_weights(cfg: GPTConfig) -> int:
-    """Weights that take part in a matmul per token: every ``nn.Linear`` of the GPT, the tied LM head once."""
-    c, hidden = cfg.n_embd, int(cfg.mlp_ratio * cfg.n_embd)
-    per_layer = c * 3 * c + c * c + c * hidden + hidden * c
+    """Weights that take part in a matmul per token: every ``nn.Linear`` of the GPT (q/k/v with ``n_kv_head``
+    key/value heads, three MLP matrices for SwiGLU), the LM head once (tied or not)."""
+    c, hidden, q_size = cfg.n_embd, cfg.mlp_width, cfg.n_head * cfg.head_dim
+    attention = c * (q_size + 2 * cfg.kv_heads * cfg.head_dim) + q_size * c
+    per_layer = attention + (3 if cfg.mlp == "swiglu" else 2) * c * hidden
     return cfg.n_layer * per_layer + cfg.vocab_size * c
 
 

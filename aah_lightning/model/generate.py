@@ -5,6 +5,10 @@ A head with window ``W`` never attends to a key more than ``W - 1`` positions ba
 lives in slot ``p % S``. Keys are stored after RoPE at their absolute positions, so a cached key never changes.
 Heads of a layer with the same slot count share one ``[B, heads, S, D]`` tensor (one attention call per group).
 
+Under grouped-query attention the cache holds key/value heads: each keeps ``S = min(W, max_len)`` slots for the
+widest window ``W`` of the query heads that read it (``window_math.kv_group_windows``), and a query head whose own
+window is narrower reads only the slots of its newest ``W`` positions (a mask on the slots' age).
+
 Both run the model's own forward (``GPT.forward``) with plans of this module in place of the training ones (the plan
 contract: model/attention/registry.py); the block is written once.
 
@@ -36,6 +40,7 @@ from torch import Tensor
 
 from aah_lightning.errors import require
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.window_math import kv_group_windows
 
 # The prefill length is rounded up to a multiple of this, so that batches of similar prompts reuse one attention plan
 # (and, on a GPU, one compiled FlexAttention kernel).
@@ -76,46 +81,72 @@ class GenerationConfig:
 # -- the cache ---------------------------------------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """Heads of one layer that share a slot count: their ring buffers ``k``, ``v`` ``[B, heads, S, D]``."""
+    """Key/value heads of one layer that share a slot count: their ring buffers ``k``, ``v`` ``[B, heads, S, D]``,
+    and the query heads that read them (in key/value head order, so that query ``i`` reads key/value head
+    ``i // (queries / heads)`` of the group) with their windows."""
 
-    heads: Tensor | None  # the layer's heads in this group; None = all of them, in order
+    heads: Tensor | None  # the layer's key/value heads in this group; None = all of them, in order
+    queries: Tensor | None  # the query heads that read them; None = all of them, in order
+    windows: Tensor  # [queries] the query heads' windows
+    narrowest: int  # the smallest of them: below ``slots``, some query head reads only part of the ring
     slots: int
     k: Tensor | None = None
     v: Tensor | None = None
 
 
-def slot_counts(windows, max_len: int) -> list[list[int]]:
-    """Ring-buffer slots per layer and head: ``min(W, max_len)``."""
+def slot_counts(windows, max_len: int, n_kv_head: int | None = None) -> list[list[int]]:
+    """Ring-buffer slots per layer and key/value head: ``min(W, max_len)``, with ``W`` the widest window of the query
+    heads that read the key/value head (``n_kv_head`` None: one per query head, its own window)."""
+    if n_kv_head is not None:
+        windows = kv_group_windows(windows, n_kv_head).tolist()
     return [[min(int(w), max_len) for w in row] for row in windows]
 
 
-def cache_bytes(windows, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32) -> int:
-    """Bytes of the window cache: sum over layers and heads of ``min(W, T)`` x D x 2 (keys, values) x dtype size."""
+def cache_bytes(
+    windows, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32, n_kv_head: int | None = None
+) -> int:
+    """Bytes of the window cache: sum over layers and key/value heads of ``min(W, T)`` x D x 2 (keys, values) x dtype
+    size (``W``: the widest window of the key/value head's query heads)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(map(sum, slot_counts(windows, max_len))) * head_dim * 2 * size * batch
+    return sum(map(sum, slot_counts(windows, max_len, n_kv_head))) * head_dim * 2 * size * batch
 
 
 def full_cache_bytes(
     n_layer: int, n_head: int, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32
 ) -> int:
-    """Bytes of a cache that keeps every position for every head (what a model without windows needs)."""
+    """Bytes of a cache that keeps every position for every key/value head (``n_head``: the model's key/value heads,
+    ``n_kv_head``): what a model without windows needs."""
     return n_layer * n_head * max_len * head_dim * 2 * torch.empty(0, dtype=dtype).element_size() * batch
 
 
 class WindowKVCache:
-    """Per layer, ring buffers of keys and values (after RoPE) for each group of heads with the same slot count."""
+    """Per layer, ring buffers of keys and values (after RoPE) for each group of key/value heads with the same slot
+    count."""
 
     def __init__(self, model: GPT, batch: int, max_len: int):
         self.max_len = max_len
-        self.slots = slot_counts(model.planner.rows(model.windows), max_len)
+        rows = model.planner.rows(model.windows)
+        n_head, n_kv = model.cfg.n_head, model.cfg.kv_heads
+        self.slots = slot_counts(rows, max_len, n_kv)
         device = model.windows.device
+        per_kv = n_head // n_kv
         self.layers: list[list[_Group]] = []
-        for row in self.slots:
+        for row, slots in zip(rows, self.slots):
             groups = []
-            for s in sorted(set(row)):
-                heads = [h for h, x in enumerate(row) if x == s]
-                index = None if len(heads) == len(row) else torch.tensor(heads, device=device)
-                groups.append(_Group(index, s))
+            for s in sorted(set(slots)):
+                heads = [j for j, x in enumerate(slots) if x == s]
+                queries = [h for j in heads for h in range(j * per_kv, (j + 1) * per_kv)]
+                whole = len(heads) == len(slots)
+                windows = torch.tensor([row[h] for h in queries], device=device).view(1, -1, 1, 1)
+                groups.append(
+                    _Group(
+                        None if whole else torch.tensor(heads, device=device),
+                        None if whole else torch.tensor(queries, device=device),
+                        windows,
+                        min(row[h] for h in queries),
+                        s,
+                    )
+                )
             self.layers.append(groups)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # next position, per row
         self.min_position = 0  # host copy of positions.min(): decides whether every slot is filled
@@ -126,7 +157,7 @@ class WindowKVCache:
         return sum(x.nbytes for groups in self.layers for g in groups for x in (g.k, g.v) if x is not None)
 
     def fill(self, layer: int, k: Tensor, v: Tensor, lengths: list[int]) -> None:
-        """Store a prefill's keys and values ``[B, H, L, D]`` (row ``b`` valid up to ``lengths[b]``) in the rings.
+        """Store a prefill's keys and values ``[B, Hkv, L, D]`` (row ``b`` valid up to ``lengths[b]``) in the rings.
 
         Row ``b`` keeps its last ``min(S, n)`` positions: position ``p`` goes to slot ``p % S``, so the newest ``S``
         positions ``[n - S, n)`` are two plain copies, split where the slot index wraps around. Slots a short row has
@@ -147,24 +178,28 @@ class WindowKVCache:
                         ring[b, :, :r] = x[b, heads, n - r : n]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write this step's keys and values ``[B, H, 1, D]`` at each row's position, then attend each head over its
-        own slots: ``[B, H, 1, D]``."""
+        """Write this step's keys and values ``[B, Hkv, 1, D]`` at each row's position, then attend each query head
+        ``[B, H, 1, D]`` over its key/value head's slots within its own window: ``[B, H, 1, D]``."""
         B = q.shape[0]
         rows = torch.arange(B, device=q.device)
         groups = self.layers[layer]
         out = None if len(groups) == 1 else torch.empty_like(q)
         for g in groups:
-            qg, kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (q, k, v))
+            kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
+            qg = q if g.queries is None else q.index_select(1, g.queries)
             slot = torch.remainder(self.positions, g.slots)
             g.k[rows, :, slot] = kg[:, :, 0]
             g.v[rows, :, slot] = vg[:, :, 0]
             mask = None
-            if self.min_position < g.slots - 1:  # some row has not filled every slot yet
-                mask = (torch.arange(g.slots, device=q.device) <= self.positions.view(B, 1)).view(B, 1, 1, g.slots)
-            y = F.scaled_dot_product_attention(qg, g.k, g.v, attn_mask=mask)
+            # Some row has not filled every slot yet, or some query head sees fewer positions than the ring holds.
+            if self.min_position < g.slots - 1 or g.narrowest < g.slots:
+                position = self.positions.view(B, 1, 1, 1)
+                age = torch.remainder(position - torch.arange(g.slots, device=q.device), g.slots)  # [B, 1, 1, S]
+                mask = (age <= position) & (age < g.windows)  # reached, and within the query head's window
+            y = F.scaled_dot_product_attention(qg, g.k, g.v, attn_mask=mask, enable_gqa=qg.shape[1] != g.k.shape[1])
             if out is None:
                 return y
-            out.index_copy_(1, g.heads, y)
+            out.index_copy_(1, g.queries, y)
         return out
 
     def advance(self) -> None:

@@ -2,7 +2,9 @@
 
 Pre-norm blocks, rotary position embeddings, tied input/output embeddings, GPT-2 initialisation (std 0.02, residual
 projections scaled by 1/sqrt(2 * n_layer)), no dropout anywhere (FlexAttention has none; LM pre-training rarely
-wants it).
+wants it). The Llama family's choices are settings of ``GPTConfig`` whose defaults are the GPT above: grouped-query
+attention (``n_kv_head``), SwiGLU, RMSNorm, an untied output layer, q/k norm (Qwen3), q/k/v biases (Qwen2) and RoPE
+scaling (linear, llama3).
 
 The window table ``windows: int32[n_layer, n_head]`` is a persistent buffer, so every state_dict and checkpoint
 carries it. Policies and the AAH controller write it in place (``set_windows``); attention plans follow on the next
@@ -22,12 +24,36 @@ from aah_lightning.model.attention import AttentionPlanner, Plan, resolve_backen
 from aah_lightning.model.config import GPTConfig
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half form) for head size ``dim``."""
+def rope_frequencies(cfg: GPTConfig) -> Tensor:
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``base ** (-2i / D)``, then ``cfg.rope_scaling``.
 
-    def __init__(self, dim: int, base: float):
+    * linear: every frequency divided by ``rope_factor`` (positions interpolated);
+    * llama3 (Llama 3.1): wavelengths ``2 pi / f`` longer than ``original / low_freq_factor`` are divided by
+      ``rope_factor``, those shorter than ``original / high_freq_factor`` are kept, and those between blend the two
+      with a weight linear in ``original / wavelength``.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        original, low, high = cfg.rope_original_seq_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        kept = original / wavelength  # periods of the original context per wavelength
+        smooth = ((kept - low) / (high - low)).clamp(0, 1)  # 0: long waves (scaled), 1: short waves (kept)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form) for head size ``dim``; ``inv_freq``: the frequencies (default:
+    unscaled, ``base ** (-2i / dim)``)."""
+
+    def __init__(self, dim: int, base: float, inv_freq: Tensor | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache: tuple | None = None
 
@@ -55,19 +81,42 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
+    """The norm of ``cfg.norm`` over ``dim`` channels (LayerNorm has a bias only with ``cfg.bias``)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
 class CausalSelfAttention(nn.Module):
+    """Attention with ``n_head`` query heads and ``n_kv_head`` key/value heads (grouped-query attention: query head
+    ``h`` reads key/value head ``h // (n_head / n_kv_head)``). One fused projection holds the rows of q (``n_head``
+    heads), then k and v (``n_kv_head`` heads each)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.n_embd, q_size + 2 * kv_size, bias=cfg.bias or cfg.qkv_bias)
+        self.proj = nn.Linear(q_size, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scaled = True
+        if cfg.qk_norm:  # one norm over each head's channels, shared by the heads (Qwen3)
+            self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         groups = getattr(plan, "head_groups", None)
-        order = None if groups is None else groups.order
-        q, k, v = self._qkv(x, order).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q_order = kv_order = None
+        if groups is not None:
+            q_order = groups.order
+            # The groups' plans take one key/value head per query head (a group's query heads need not share their
+            # key/value heads): under GQA the projection computes each query head's key/value head (repeated rows).
+            kv_order = q_order if self.n_kv_head == self.n_head else self._kv_heads_of(q_order, x.device)
+        q, k, v = self._qkv(x, q_order, kv_order)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # under autocast q is bf16; keep it so
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # v is a strided view into the qkv output; inside a compiled block, CPU flex reads such a view wrongly
@@ -75,24 +124,37 @@ class CausalSelfAttention(nn.Module):
         v = v.contiguous()
         if groups is None:
             y = plan(q, k, v)
-            return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         return self._grouped(q, k, v, groups)
+
+    def _kv_heads_of(self, order: Tensor | None, device) -> Tensor:
+        """The key/value head of each query head of ``order`` (None: the layer's order)."""
+        heads = torch.arange(self.n_head, device=device) if order is None else order
+        return heads // (self.n_head // self.n_kv_head)
 
     def _head_index(self, order: Tensor) -> Tensor:
         """The feature indices ``h * D .. h * D + D - 1`` of the heads in ``order``, head after head."""
-        D = self.qkv.in_features // self.n_head
+        D = self.head_dim
         return (order.view(-1, 1) * D + torch.arange(D, device=order.device)).flatten()
 
-    def _qkv(self, x: Tensor, order: Tensor | None) -> Tensor:
-        """q, k and v of every head, ``[B, T, 3 * C]``; with ``order``, the heads come in that order: the projection's
-        weight rows are reordered (3C x C numbers), not its output (B x T x 3C)."""
-        if order is None:
-            return self.qkv(x)
-        C = self.qkv.in_features
-        rows = self._head_index(order)
-        rows = torch.cat([rows, rows + C, rows + 2 * C])
-        bias = None if self.qkv.bias is None else self.qkv.bias.index_select(0, rows)
-        return F.linear(x, self.qkv.weight.index_select(0, rows), bias)
+    def _qkv(self, x: Tensor, q_order: Tensor | None, kv_order: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``[B, heads, T, D]``; with ``q_order`` / ``kv_order`` the heads come in that order (query heads
+        of ``q_order``, key/value heads of ``kv_order``): the projection's weight rows are reordered, not its output
+        (B x T x rows)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        if q_order is None and kv_order is None:
+            out, n_kv = self.qkv(x), Hkv
+        else:
+            device = self.qkv.weight.device
+            q_rows = torch.arange(H * D, device=device) if q_order is None else self._head_index(q_order)
+            kv_rows = torch.arange(Hkv * D, device=device) if kv_order is None else self._head_index(kv_order)
+            n_kv = kv_rows.numel() // D
+            rows = torch.cat([q_rows, kv_rows + H * D, kv_rows + (H + Hkv) * D])
+            bias = None if self.qkv.bias is None else self.qkv.bias.index_select(0, rows)
+            out = F.linear(x, self.qkv.weight.index_select(0, rows), bias)
+        q, k, v = out.split([H * D, n_kv * D, n_kv * D], dim=-1)
+        return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
 
     def _grouped(self, q: Tensor, k: Tensor, v: Tensor, groups) -> Tensor:
         """Heads in groups (q, k, v ``[B, H, T, D]`` already in the groups' order): each group's plan runs on its slice
@@ -114,28 +176,43 @@ class CausalSelfAttention(nn.Module):
             else:
                 out = torch.addmm(out, y, w)
             start += size
-        return out.view(B, T, H * D)
+        return out.view(B, T, -1)
 
 
 class MLP(nn.Module):
+    """GELU MLP: ``proj(gelu(fc x))``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        hidden = int(cfg.mlp_ratio * cfg.n_embd)
-        self.fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scaled = True
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
 
+class SwiGLU(nn.Module):
+    """Gated MLP of the Llama family: ``proj(silu(gate x) * up x)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.up = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scaled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln1 = make_norm(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln2 = make_norm(cfg, cfg.n_embd)
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         x = x + self.attn(self.ln1(x), cos, sin, plan)
@@ -148,10 +225,11 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_base)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, rope_frequencies(cfg))
         # The window table: every head starts with the full causal context.
         self.register_buffer("windows", torch.full((cfg.n_layer, cfg.n_head), cfg.seq_len, dtype=torch.int32))
         self.planner = AttentionPlanner(cfg.block_size)

@@ -9,6 +9,8 @@ diagnostics and the benchmarks all import it from here.
 * tiles: the ``block_size x block_size`` tiles of the ``T x T`` score matrix a block-sparse kernel visits, each
   *partial* (runs the mask) or *full* (every pair allowed, no mask); *causal* tiles are those of full causal attention.
 * block density: visited (partial + full) tiles / causal tiles.
+* grouped-query attention: every query head keeps its own window; a key/value head serves a group of query heads,
+  and its keys must be kept as far back as the group's widest window reaches (``kv_group_windows``).
 """
 
 from __future__ import annotations
@@ -100,3 +102,15 @@ def block_density(windows: Tensor, seq_len: int, block_size: int = 128) -> Tenso
     table = windows.reshape(-1, windows.shape[-1])
     used = sum(sum(t.sum() for t in window_tiles(row, seq_len, block_size)) for row in table)
     return used.to(torch.float64) / (table.numel() * causal_tiles(seq_len, block_size))
+
+
+def kv_group_windows(table, n_kv_head: int) -> Tensor:
+    """The window of each key/value head under grouped-query attention: the widest window of the query heads that read
+    it (query head ``h`` reads key/value head ``h // (n_head / n_kv_head)``). A decode cache must keep that many of
+    its keys; a query head with a narrower window reads only its newest ones. ``table``: int ``[n_layer, n_head]``
+    (a tensor or nested lists) -> ``[n_layer, n_kv_head]``; ``n_kv_head = n_head`` returns the table itself."""
+    table = torch.as_tensor(table)
+    n_layer, n_head = table.shape
+    if n_kv_head < 1 or n_head % n_kv_head:
+        raise ValueError(f"n_kv_head={n_kv_head} does not divide the table's {n_head} heads")
+    return table.view(n_layer, n_kv_head, n_head // n_kv_head).amax(-1)

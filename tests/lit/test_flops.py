@@ -98,3 +98,13 @@ def test_mfu_that_cannot_be_logged_is_said_in_one_warning():
     assert len(messages) == 1 and messages[0].startswith("perf/mfu is not logged: no peak FLOP/s is known for cpu")
     assert "throughput.peak_flops" in messages[0] and "\n" not in messages[0]
     assert cb.peak is None
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"n_kv_head": 1, "mlp": "swiglu", "mlp_hidden": 24, "tie_embeddings": False, "head_size": 6, "qk_norm": True}],
+)
+def test_matmul_weights_are_the_weights_of_every_linear_layer(settings):
+    cfg = GPTConfig(vocab_size=11, seq_len=16, n_layer=2, n_head=2, n_embd=8, **settings)
+    linears = [m for m in GPT(cfg).modules() if isinstance(m, torch.nn.Linear)]
+    assert flops.matmul_weights(cfg) == sum(m.weight.numel() for m in linears)

@@ -10,6 +10,7 @@ from aah_lightning.model import generate as gen
 from aah_lightning.model.attention import Recording
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.window_math import kv_group_windows
 
 
 def tiny_model(seq_len=24, n_layer=2, n_head=4, windows=None, dtype=torch.float64, backend="sdpa") -> GPT:
@@ -192,3 +193,80 @@ def test_decode_benchmark_runs_on_tiny_shapes():
     ).stdout
     assert "| 64 | full |" in out and "| 64 | AAH |" in out
     assert "AAH cache / full cache == sum min(W, T) / (H T) exactly, T=64 | 0.2969 vs 0.2969 | met" in out
+
+
+# -- grouped-query attention -------------------------------------------------------------------------------------------
+def gqa_model(n_kv_head, windows, seq_len=24, n_head=4) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=40, seq_len=seq_len, n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32)
+    model = GPT(cfg)
+    model.set_windows(windows)
+    return model.double().eval()
+
+
+def test_kv_group_windows_keep_the_widest_window_of_each_group():
+    table = [[1, 3, 24, 5], [2, 2, 7, 9]]
+    assert kv_group_windows(table, 2).tolist() == [[3, 24], [2, 9]]
+    assert kv_group_windows(table, 1).tolist() == [[24], [9]]
+    assert kv_group_windows(table, 4).tolist() == table
+    with pytest.raises(ValueError, match="n_kv_head=3 does not divide the table's 4 heads"):
+        kv_group_windows(table, 3)
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+@pytest.mark.parametrize(
+    "windows",
+    [
+        [[1, 3, 24, 5], [2, 24, 7, 1]],  # query heads of one key/value head with different windows
+        [[4, 4, 4, 4], [9, 9, 2, 2]],
+        [[24, 24, 24, 24], [24, 24, 24, 24]],
+    ],
+)
+def test_gqa_decode_equals_full_forward_float64(n_kv_head, windows):
+    model = gqa_model(n_kv_head, windows)
+    worst = decode_matches_forward(model, random_prompts([5, 17, 1, 11]), steps=10)
+    assert worst < 1e-9
+
+
+def test_gqa_decode_exact_with_banded_prefill():
+    model = gqa_model(2, [[1, 16, 100, 300], [300, 37, 300, 5]], seq_len=300)
+    assert {p.kind for p in model.attention_plans(320)} == {"banded"}
+    assert decode_matches_forward(model, random_prompts([260, 120, 300]), steps=4) < 1e-9
+
+
+def test_gqa_cache_holds_key_value_heads_for_the_widest_window_of_each_group():
+    windows = [[2, 8, 64, 64], [4, 4, 3, 16]]
+    model = gqa_model(2, windows, seq_len=64)
+    cache, _ = gen.prefill(model, random_prompts([50, 30]), max_new_tokens=14)  # max_len = 64
+    assert cache.slots == [[8, 64], [4, 16]]  # per key/value head: the widest window of its two query heads
+    assert [g.k.shape[1] for g in cache.layers[0]] == [1, 1]  # two key/value heads, one ring each
+    d = model.cfg.head_dim
+    assert cache.nbytes == gen.cache_bytes(windows, 64, d, batch=2, dtype=torch.float64, n_kv_head=2)
+    assert cache.nbytes == (8 + 64 + 4 + 16) * d * 2 * 8 * 2  # float64, batch 2
+
+
+def test_kv_bytes_per_token_against_full_attention():
+    """KV-cache bytes per token of context in generation, measured on the cache (fp32, context T = prompt + new
+    tokens), for full attention and a window table, with one key/value head per query head, two groups and one
+    (printed, with the share of the full multi-head cache)."""
+    T, D = 64, 8
+    windows = [[4, 8, 64, 16], [64, 4, 4, 4]]
+    per_token = {}
+    for n_kv in (4, 2, 1):
+        for name, table in (("full", [[T] * 4] * 2), ("windows", windows)):
+            model = gqa_model(n_kv, table, seq_len=T).float()
+            cache, _ = gen.prefill(model, random_prompts([T - 16]), max_new_tokens=16)
+            assert cache.nbytes == gen.cache_bytes(table, T, D, n_kv_head=n_kv)
+            per_token[n_kv, name] = cache.nbytes / T
+    full = per_token[4, "full"]
+    print(
+        "\n".join(
+            f"n_kv_head={n} {name:8s} {b:7.1f} B/token {b / full:.3f} of full MHA" for (n, name), b in per_token.items()
+        )
+    )
+    assert full == gen.full_cache_bytes(2, 4, T, D) / T == 2 * 4 * D * 2 * 4  # layers x heads x D x (k, v) x fp32
+    assert per_token[2, "full"] == full / 2 and per_token[1, "full"] == full / 4
+    # windows: MHA keeps each head's own window; GQA each key/value head its group's widest
+    assert per_token[4, "windows"] == sum(map(sum, windows)) * D * 2 * 4 / T
+    assert per_token[2, "windows"] == (8 + 64 + 64 + 4) * D * 2 * 4 / T
+    assert per_token[1, "windows"] == (64 + 64) * D * 2 * 4 / T == per_token[1, "full"]  # one wide head: no saving

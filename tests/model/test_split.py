@@ -2,12 +2,11 @@
 
 ``split`` runs full-window heads on causal SDPA and windowed heads on banded (CPU) or flex; ``varlen``'s GPU kernel
 (FlashAttention through ``torch.nn.attention.varlen``) has no CPU implementation, so its plans run here on a float64
-emulation of FlashAttention's documented window semantics - everything else (head grouping, token layout, document
+emulation of FlashAttention's documented window semantics (helpers/flash_stand_ins.py) - everything else (head grouping, token layout, document
 sequences, the ``W - 1`` window convention, scatter back) is the real code.
 """
 
 import logging
-import math
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from aah_lightning.model.attention import AttentionPlanner, registry, resolve_ba
 from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from helpers.flash_stand_ins import flash_varlen_emulation
 from helpers.spec import allowed, random_windows
 
 CPU = torch.device("cpu")
@@ -43,26 +43,6 @@ def assert_matches_reference(out, q, k, v, row, doc_ids=None):
     want = torch.autograd.grad(ref, (q, k, v), grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
-
-
-def flash_varlen_emulation(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
-    """FlashAttention's varlen semantics in float64, from its documentation: sequences are the ``cu`` ranges of the
-    ``[tokens, heads, D]`` inputs; within one, query i sees key j iff ``i - left <= j <= i + right`` (a negative
-    bound is unbounded)."""
-    assert torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
-    left, right = window_size
-    outs = []
-    for start, stop in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        i, j = torch.arange(stop - start).view(-1, 1), torch.arange(stop - start).view(1, -1)
-        ok = torch.ones(stop - start, stop - start, dtype=torch.bool)
-        if right >= 0:
-            ok &= j <= i + right
-        if left >= 0:
-            ok &= j >= i - left
-        s = torch.einsum("ihd,jhd->hij", q[start:stop], k[start:stop]) / math.sqrt(q.shape[-1])
-        p = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
-        outs.append(torch.einsum("hij,jhd->ihd", p, v[start:stop]))
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("seq_len", [1, 77, 200, 333])

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aah_lightning.model.attention.registry import Backend, Plan, register
+from aah_lightning.model.attention.registry import Backend, Plan, expand_kv, register
 from aah_lightning.model.masks import window_mask_mod
 
 # Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
@@ -222,11 +222,14 @@ def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None) -> 
 
 
 def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tensor:
-    """q, k, v: ``[B, H, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention."""
+    """q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention."""
     if q.shape[2] != plan.seq_len:
         raise ValueError(f"banded plan built for T={plan.seq_len}, called with T={q.shape[2]}")
+    # Window groups cut across key/value groups: under grouped-query attention each query head gets its own copy of
+    # its key/value head (expand_kv), in the plan's head order.
+    k, v = (expand_kv(x, q.shape[1], plan.order) for x in (k, v))
     if plan.order is not None:
-        q, k, v = (x.index_select(1, plan.order) for x in (q, k, v))
+        q = q.index_select(1, plan.order)
     if plan.batch is None:
         y = _layer(q, k, v, plan, None)
     else:  # document masks differ per sequence: one pass per batch element, its masks broadcast over heads

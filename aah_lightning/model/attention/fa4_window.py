@@ -6,7 +6,9 @@ one window per call and run it natively: no mask_mod, no BlockMask, no torch cod
 kernel: full-window heads run fused causal SDPA, each other window group is one call on its slice of heads (the layer
 reorders its weights, ``head_groups``: no activation is copied), and with documents every document is its own
 sequence of a varlen call (``flash_attn_varlen_func``), which needs every document to be one contiguous run of
-positions in its row. FlashAttention's windows are inclusive (query i sees keys ``i - left .. i``), so W keys are
+positions in its row. Under grouped-query attention each group receives one key/value head per query head (a
+window group's query heads need not share theirs; ``SplitPlan`` and the layer expand them). FlashAttention's windows
+are inclusive (query i sees keys ``i - left .. i``), so W keys are
 ``left = W - 1``; a group whose window covers the sequence passes no window (plain causal).
 
 Needs a CUDA GPU of compute capability 9.0 or newer, ``flash-attn-4`` (``pip install -e ".[fa4]"``) and bf16 / fp16;

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aah_lightning.model import masks
 from aah_lightning.model.attention import flash_compat
-from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, register
+from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, expand_kv, register
 from aah_lightning.model.window_math import TileCounts, window_tiles
 
 _compiled_flex = None
@@ -134,12 +134,13 @@ class FlexPlan(Plan):
         return self.options
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.order is not None:
-            q, k, v = (x.index_select(1, self.order) for x in (q, k, v))
+        if self.order is not None:  # permuted query heads no longer share key/value heads in runs: expand them
+            q, k, v = q.index_select(1, self.order), *(expand_kv(x, q.shape[1], self.order) for x in (k, v))
         elif q.device.type == "cpu":  # same strides as a permuted layer: one compiled graph serves both
             q, k, v = (x.contiguous() for x in (q, k, v))
         options = self.kernel_options(q)
-        out = compiled_flex_attention()(q, k, v, block_mask=self.block_mask, kernel_options=options)
+        gqa = k.shape[1] != q.shape[1]  # flex takes fewer key/value heads natively
+        out = compiled_flex_attention()(q, k, v, block_mask=self.block_mask, kernel_options=options, enable_gqa=gqa)
         return out if self.order is None else out.index_select(1, self.inverse)
 
     def tile_counts(self, block_size: int) -> TileCounts:

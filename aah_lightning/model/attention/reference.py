@@ -21,11 +21,14 @@ PARITY_FLOOR_FP32, PARITY_FLOOR_LOW = 1e-4, 2e-2
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, windows, doc_ids: Tensor | None = None) -> Tensor:
-    """Masked softmax in float64: ``q, k, v`` ``[B, H, T, D]`` -> ``[B, H, T, D]`` (float64). ``windows``: the layer's
-    row of the window table (``[H]``, a tensor or a sequence of ints; values past T are plain causal); ``doc_ids``:
-    ``[B, T]`` or None."""
+    """Masked softmax in float64: ``q`` ``[B, H, T, D]``, ``k, v`` ``[B, Hkv, T, D]`` -> ``[B, H, T, D]`` (float64).
+    With ``Hkv < H`` (grouped-query attention) query head ``h`` reads key/value head ``h // (H / Hkv)``; the window
+    stays the query head's own. ``windows``: the layer's row of the window table (``[H]``, a tensor or a sequence of
+    ints; values past T are plain causal); ``doc_ids``: ``[B, T]`` or None."""
     q, k, v = q.double(), k.double(), v.double()
     _, H, T, D = q.shape
+    if k.shape[1] != H:
+        k, v = (x.repeat_interleave(H // k.shape[1], dim=1) for x in (k, v))
     row = torch.as_tensor(windows).to(q.device)
     if doc_ids is not None:
         doc_ids = doc_ids.to(q.device)

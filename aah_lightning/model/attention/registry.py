@@ -9,10 +9,12 @@ A **backend** is one module in this package that defines a ``Backend`` subclass 
 
 A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of attention (the plan contract):
 
-* ``plan(q, k, v) -> out``. Each block calls its layer's plan once per forward with that layer's ``q``, ``k``, ``v``
-  ``[B, H, T, D]`` (``q`` and ``k`` already rotated by RoPE at the tokens' positions: ``0..T-1``, or the
-  ``positions`` passed to ``GPT.forward``) and projects what it returns, ``[B, H, T, D]`` (the same shape as ``q``),
-  back to the residual stream. A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
+* ``plan(q, k, v) -> out``. Each block calls its layer's plan once per forward with that layer's ``q``
+  ``[B, H, T, D]`` and ``k``, ``v`` ``[B, Hkv, T, D]`` (``q`` and ``k`` already rotated by RoPE at the tokens'
+  positions: ``0..T-1``, or the ``positions`` passed to ``GPT.forward``) and projects what it returns, ``[B, H, T,
+  D]`` (the same shape as ``q``), back to the residual stream. ``Hkv`` divides ``H``: grouped-query attention, query
+  head ``h`` reads key/value head ``h // (H / Hkv)`` (``Hkv = H`` without it). A kernel that takes fewer key/value
+  heads natively is given them (SDPA's and flex's ``enable_gqa``); the others expand them (``expand_kv``). A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
   the layer's own, so it must not write into them.
 * ``head_groups`` (optional, default None): a ``HeadGroups`` for a plan that runs its heads in groups, each group on
   its own plan (``split``, ``varlen``). The layer then computes q, k, v with the heads in the groups' ``order`` by
@@ -104,6 +106,17 @@ class Plan:
         pair of each visited tile."""
         counts = self.tile_counts(block_size)
         return (counts.partial + counts.full) * block_size * block_size
+
+
+def expand_kv(x: Tensor, n_head: int, order: Tensor | None = None) -> Tensor:
+    """Keys or values ``[B, Hkv, T, D]`` with one key/value head per query head: ``[B, n_head, T, D]``, query head
+    ``h`` reading key/value head ``h // (n_head / Hkv)``, and with ``order`` the query heads of ``order`` in its order.
+    For kernels that cannot take fewer key/value heads than query heads, or whose heads run in another order: a copy
+    (none when there is nothing to expand or reorder)."""
+    n_kv = x.shape[1]
+    if order is None:
+        return x if n_kv == n_head else x.repeat_interleave(n_head // n_kv, dim=1)
+    return x.index_select(1, order if n_kv == n_head else order // (n_head // n_kv))
 
 
 class Backend:

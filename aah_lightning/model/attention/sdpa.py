@@ -1,5 +1,5 @@
 """``sdpa``: ``scaled_dot_product_attention`` with the dense boolean mask of the mask_mod - the reference, and CPU
-training of short sequences. ``CausalPlan`` (fused causal SDPA) also runs every layer whose heads all see the whole
+training of short sequences. Both take grouped-query attention natively (SDPA's ``enable_gqa``). ``CausalPlan`` (fused causal SDPA) also runs every layer whose heads all see the whole
 sequence, under every backend, and the full-window heads of the split plans."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class CausalPlan(Plan):
     kind = "causal"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,7 +36,7 @@ class DensePlan(Plan):
     kind = "dense"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=k.shape[1] != q.shape[1])
 
     def computed_pairs(self, block_size: int) -> int:
         return len(self.row) * self.seq_len * self.seq_len

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from aah_lightning.model.attention import banded, flex
-from aah_lightning.model.attention.registry import Backend, HeadGroups, Plan, get_backend, register
+from aah_lightning.model.attention.registry import Backend, HeadGroups, Plan, expand_kv, get_backend, register
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.window_math import TileCounts
 
@@ -75,8 +75,11 @@ class SplitPlan(Plan):
         return HeadGroups(self.order, self.sizes, self.parts)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # The groups' query heads need not share key/value heads: under grouped-query attention every query head
+        # gets a copy of its own (expand_kv), as the layer's weight path gives them (gpt.CausalSelfAttention).
+        k, v = (expand_kv(x, q.shape[1], self.order) for x in (k, v))
         if self.order is not None:
-            q, k, v = (x.index_select(1, self.order) for x in (q, k, v))
+            q = q.index_select(1, self.order)
         if len(self.parts) == 1:
             out = self.parts[0](q, k, v)
         else:

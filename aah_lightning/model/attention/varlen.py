@@ -7,7 +7,8 @@ Full-window heads run fused causal SDPA (as in ``split``); each other group is o
 our W keys ``0 <= q - kv < W`` are ``left = W - 1``, ``right = 0``. The batch is laid out as varlen sequences
 (``[B * T, heads, D]``, one sequence per row); with documents each document is its own sequence, so a group with
 full windows runs through varlen too (``window_size=(-1, 0)``: causal). That needs every document to be one
-contiguous run of positions in its row (what packing produces), checked when the plan is built.
+contiguous run of positions in its row (what packing produces), checked when the plan is built. Under grouped-query
+attention the groups' plans receive one key/value head per query head (``SplitPlan`` and the layer expand them).
 """
 
 from __future__ import annotations

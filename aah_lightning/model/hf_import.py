@@ -1,0 +1,210 @@
+"""Hugging Face Llama-family checkpoints as aah GPTs: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM, read from a folder of ``config.json`` and safetensors weights (``model.safetensors``, or shards
+listed in ``model.safetensors.index.json``), without transformers.
+
+* ``gpt_config(hf)``: the ``GPTConfig`` of a ``config.json`` (GQA, SwiGLU, RMSNorm, tied or untied output, Qwen2's
+  q/k/v biases, Qwen3's q/k norm and head size, RoPE base and its linear / llama3 scaling);
+* ``window_table(hf, cfg)``: the windows the model was trained with: every head full, except Mistral's
+  ``sliding_window`` (every layer) and the layers ``layer_types`` marks ``sliding_attention`` (Qwen2 / Qwen3 with
+  ``use_sliding_window``), whose heads keep that window;
+* ``gpt_state_dict(weights, cfg)``: the weights renamed and fused into aah's layout (q, k, v rows concatenated into
+  ``attn.qkv``); Hugging Face's rotate-half RoPE is aah's, so no weight is permuted;
+* ``import_folder(folder)``: all of it, a GPT in eval mode with its window table.
+
+Whatever does not fit is one ``ConfigError`` line naming the folder and the unsupported family or feature, the missing
+file or weight, or the weight whose shape differs from what ``config.json`` says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from aah_lightning.errors import ConfigError
+from aah_lightning.model.config import GPTConfig
+from aah_lightning.model.gpt import GPT
+
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+# Buffers some checkpoints carry that aah computes itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(folder) -> dict:
+    """The folder's ``config.json`` as a dict."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no {CONFIG_FILE}: not a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable JSON config ({type(e).__name__})") from None
+
+
+def family(hf: Mapping, where="config.json") -> str:
+    """The model class of a config, one of ``FAMILIES``."""
+    names = list(hf.get("architectures") or [])
+    if len(names) != 1 or names[0] not in FAMILIES:
+        raise ConfigError(f"{where}: architectures={names}: unsupported family; aah imports {', '.join(FAMILIES)}")
+    return names[0]
+
+
+def _refuse(where, setting: str, value, why: str):
+    raise ConfigError(f"{where}: {setting}={value!r} is not supported: {why}")
+
+
+def rope_settings(hf: Mapping, where="config.json") -> dict:
+    """RoPE's ``GPTConfig`` settings: base and scaling, from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (earlier)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {}) or params
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _refuse(where, "partial_rotary_factor", partial, "aah rotates every channel of a head")
+    settings = {"rope_base": float(base)}
+    if kind == "default":
+        return settings
+    if kind not in ("linear", "llama3"):
+        _refuse(where, "rope_scaling.rope_type", kind, "aah supports default, linear and llama3")
+    settings |= {"rope_scaling": kind, "rope_factor": float(scaling["factor"])}
+    if kind == "llama3":
+        settings |= {
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_seq_len": int(scaling["original_max_position_embeddings"]),
+        }
+    return settings
+
+
+def gpt_config(hf: Mapping, seq_len: int | None = None, backend: str = "auto", where="config.json") -> GPTConfig:
+    """The ``GPTConfig`` of a Hugging Face ``config.json``; ``seq_len`` defaults to its ``max_position_embeddings``."""
+    name = family(hf, where)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse(where, "hidden_act", act, "the Llama family's MLP is SwiGLU (silu)")
+    for setting in ("attention_bias", "mlp_bias"):  # a bias on o_proj or the MLP: not these families' layout
+        if hf.get(setting) and name != "Qwen2ForCausalLM":
+            _refuse(where, setting, hf[setting], "aah's Llama layout has biases on q, k, v only")
+    n_embd, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or n_embd // n_head
+    n_kv = int(hf.get("num_key_value_heads") or n_head)
+    return GPTConfig(
+        vocab_size=int(hf["vocab_size"]),
+        seq_len=int(seq_len or hf["max_position_embeddings"]),
+        n_layer=int(hf["num_hidden_layers"]),
+        n_head=n_head,
+        n_kv_head=None if n_kv == n_head else n_kv,  # as a config of aah's would say it
+        n_embd=n_embd,
+        head_size=None if head_dim * n_head == n_embd else int(head_dim),
+        mlp="swiglu",
+        mlp_hidden=int(hf["intermediate_size"]),
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=name == "Qwen2ForCausalLM",  # Qwen2: q, k, v biases, none on o
+        qk_norm=name == "Qwen3ForCausalLM",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        backend=backend,
+        **rope_settings(hf, where),
+    )
+
+
+def window_table(hf: Mapping, cfg: GPTConfig, where="config.json") -> Tensor:
+    """The model's own windows ``[n_layer, n_head]``: ``seq_len`` (full), or ``sliding_window`` on the layers that
+    slide (Mistral: every layer; Qwen2 / Qwen3 with ``use_sliding_window``: those ``layer_types`` marks, or in configs
+    without it the layers from ``max_window_layers`` on)."""
+    table = torch.full((cfg.n_layer, cfg.n_head), cfg.seq_len, dtype=torch.int32)
+    window = hf.get("sliding_window")
+    kinds = hf.get("layer_types")
+    if family(hf, where) == "MistralForCausalLM":
+        kinds = ["sliding_attention"] * cfg.n_layer
+    elif not hf.get("use_sliding_window", False):
+        return table
+    if not kinds:  # configs written before layer_types: the layers from max_window_layers on slide
+        first = int(hf.get("max_window_layers", 0))
+        kinds = ["full_attention" if layer < first else "sliding_attention" for layer in range(cfg.n_layer)]
+    for layer, kind in enumerate(kinds):
+        if kind not in ("full_attention", "sliding_attention"):
+            _refuse(where, f"layer_types[{layer}]", kind, "aah knows full_attention and sliding_attention")
+        if kind == "sliding_attention" and window:
+            table[layer] = int(window)  # HF's sliding window: query q sees keys q - W < kv <= q, aah's W
+    return table
+
+
+def read_weights(folder) -> dict[str, Tensor]:
+    """Every tensor of the folder's safetensors file(s)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        shards = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_FILE).is_file():
+        shards = [WEIGHTS_FILE]
+    else:
+        raise ConfigError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}: aah reads safetensors weights")
+    weights = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise ConfigError(f"{folder}: the shard {shard} that {INDEX_FILE} lists is missing")
+        weights.update(load_file(folder / shard))
+    return weights
+
+
+def gpt_state_dict(weights: Mapping[str, Tensor], cfg: GPTConfig, where="weights") -> dict[str, Tensor]:
+    """The Hugging Face ``weights`` in aah's names and layout (without the window table)."""
+    left = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+
+    def take(name: str) -> Tensor:
+        if name not in left:
+            raise ConfigError(f"{where}: the weight {name} is missing")
+        return left.pop(name)
+
+    out = {"wte.weight": take("model.embed_tokens.weight")}
+    for i in range(cfg.n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        attn = hf + "self_attn."
+        out[ours + "ln1.weight"] = take(hf + "input_layernorm.weight")
+        out[ours + "attn.qkv.weight"] = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+        if cfg.qkv_bias:
+            out[ours + "attn.qkv.bias"] = torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"])
+        out[ours + "attn.proj.weight"] = take(attn + "o_proj.weight")
+        if cfg.qk_norm:
+            out[ours + "attn.q_norm.weight"] = take(attn + "q_norm.weight")
+            out[ours + "attn.k_norm.weight"] = take(attn + "k_norm.weight")
+        out[ours + "ln2.weight"] = take(hf + "post_attention_layernorm.weight")
+        for theirs, mine in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "proj")):
+            out[f"{ours}mlp.{mine}.weight"] = take(f"{hf}mlp.{theirs}.weight")
+    out["ln_f.weight"] = take("model.norm.weight")
+    if cfg.tie_embeddings:
+        left.pop("lm_head.weight", None)  # a tied copy some checkpoints save anyway
+        out["lm_head.weight"] = out["wte.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    if left:
+        names = sorted(left)
+        raise ConfigError(f"{where}: unexpected weights {names[:3]}{' ...' if len(names) > 3 else ''}")
+    return out
+
+
+def import_folder(folder, seq_len: int | None = None, backend: str = "auto") -> GPT:
+    """The GPT of a Hugging Face folder, in eval mode on the CPU in float32, with the model's own windows."""
+    hf = read_config(folder)
+    where = f"{folder}/{CONFIG_FILE}"
+    cfg = gpt_config(hf, seq_len, backend, where)
+    state = gpt_state_dict(read_weights(folder), cfg, str(folder))
+    model = GPT(cfg)
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConfigError(
+                f"{folder}: the weight {name} has shape {tuple(tensor.shape)}, {CONFIG_FILE} says "
+                f"{tuple(expected[name].shape)}: the config and the weights disagree"
+            )
+    state["windows"] = window_table(hf, cfg, where)
+    model.load_state_dict({k: v.float() for k, v in state.items() if k != "windows"} | {"windows": state["windows"]})
+    return model.eval()

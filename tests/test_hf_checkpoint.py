@@ -1,0 +1,47 @@
+"""``python -m aah_lightning.hf_checkpoint``: a Hugging Face folder written as an aah checkpoint that every reader of
+checkpoints takes, with the folder's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aah_lightning import checkpoint as ck
+from aah_lightning import hf_checkpoint
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.module import AAHModule
+from aah_lightning.model import generate as gen
+from aah_lightning.model import hf_import
+from helpers.hf_models import T, save_tiny, save_tokenizer
+
+
+def test_an_imported_checkpoint_loads_with_its_tokenizer_and_generates(tmp_path, capsys):
+    theirs = save_tiny("qwen3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    assert hf_checkpoint.main([str(tmp_path / "hf"), "--out", str(tmp_path / "qwen3.ckpt")]) == 0
+    assert "2 layers x 4 heads (2 key/value)" in capsys.readouterr().out
+    model, tok = ck.load_model(tmp_path / "qwen3.ckpt")
+    assert list(tok.encode("w3 w5")) == [3, 5] and tok.eos_id == 63
+    tokens = torch.randint(64, (1, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+    # greedy generation through the window KV cache is the argmax of the full forward, token by token
+    out = gen.generate(model, [[1, 2, 3]], gen.GenerationConfig(max_new_tokens=5, temperature=0, stop_at_eod=False))
+    row = [1, 2, 3]
+    for t in out[0].tokens:
+        with torch.no_grad():
+            assert t == theirs(torch.tensor([row])).logits[0, -1].argmax().item()
+        row.append(t)
+    module = AAHModule(**ck.hyperparameters(ck.read_checkpoint(tmp_path / "qwen3.ckpt")))
+    assert module.gpt_config == model.cfg  # the checkpoint's settings build the Lightning module too
+
+
+def test_a_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path, capsys):
+    save_tiny("llama3", tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar
+    assert hf_checkpoint.main([str(tmp_path / "hf"), "--out", str(tmp_path / "x.ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no tokenizer.json: pass --tokenizer (a tokenizer.json or hub name)") and "\n" not in err
+    assert not (tmp_path / "x.ckpt").exists()
+    with pytest.raises(ConfigError, match="unsupported family"):
+        hf_import.family({"architectures": ["GPT2LMHeadModel"]})
