@@ -111,11 +111,31 @@ def test_recall_mixed_into_text_shares_blocks_and_grows_the_vocabulary(tmp_path)
         ({"source": "recall", "recall_values": 1}, "data.recall_values=1 is not allowed"),
         ({"source": "synthetic", "recall_fraction": 0.5}, "data.recall_fraction=0.5 is not allowed"),
         ({"source": "stdlib", "recall_fraction": 1.0}, "data.recall_fraction=1.0 is not allowed"),
+        ({"source": "recall", "recall_task": "passkey"}, "data.recall_task='passkey' is not allowed"),
+        ({"source": "recall", "recall_copy_distance": 64}, "data.recall_copy_distance=64 is not allowed"),
     ],
 )
 def test_bad_recall_settings_are_one_clear_error(settings, match):
     with pytest.raises(ConfigError, match=match):
         TextDataModule(seq_len=64, **settings)
+
+
+def test_the_copy_task_answers_at_one_distance_only():
+    """Every counted target repeats the token exactly ``distance`` back, and is an answer at that distance; the
+    first ``distance`` targets do not count (nothing predicts them)."""
+    dm = TextDataModule(source="recall", recall_task="copy", recall_copy_distance=40, seq_len=64, val_blocks=4)
+    dm.setup("fit")
+    for i in range(4):
+        item = dm.val_set[i]
+        tokens, mask, dist = item["tokens"], item["loss_mask"], item["recall_distance"]
+        targets = torch.arange(1, 65)
+        assert torch.equal(mask, targets >= 40)
+        assert torch.equal(tokens[40:], tokens[:-40])  # the copies
+        assert set(dist[mask].tolist()) == {40} and not dist[~mask].any()
+    assert not torch.equal(dm.val_set[0]["tokens"][:40], dm.val_set[1]["tokens"][:40])  # fresh tokens per sequence
+    default = TextDataModule(source="recall", recall_task="copy", seq_len=64, val_blocks=1)
+    default.setup("fit")
+    assert set(default.val_set[0]["recall_distance"].unique().tolist()) == {0, 40}  # 5/8 of T by default
 
 
 def test_chance_is_one_over_the_values():

@@ -47,7 +47,8 @@ def one_head_attention(q: Tensor, k: Tensor, v: Tensor, window: int, docs: Tenso
 class OneHeadWindow:
     """A plan that runs its layer's own plan, then replaces head ``head``'s output with its attention at ``window``.
 
-    ``eager``: the block runs as its class defines it. Heads stay in their natural order (no ``head_groups``)."""
+    ``eager``: the block runs as its class defines it. Heads stay in their natural order (no ``head_groups``). Under
+    grouped-query attention only the query head's own window changes; its key/value head is read as it is."""
 
     eager = True
 
@@ -57,7 +58,9 @@ class OneHeadWindow:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         y = self.inner(q, k, v).clone()
         h = slice(self.head, self.head + 1)
-        y[:, h] = one_head_attention(q[:, h], k[:, h], v[:, h], self.window, self.docs)
+        kv = self.head // (q.shape[1] // k.shape[1])  # under grouped-query attention: the head's key/value head
+        kv = slice(kv, kv + 1)
+        y[:, h] = one_head_attention(q[:, h], k[:, kv], v[:, kv], self.window, self.docs)
         return y
 
 
