@@ -64,3 +64,37 @@ def test_long_context_config_parses_on_top_of_ddp(capsys):
     gpt = config["model"]["gpt"]
     assert gpt["backend"] == "auto" and gpt["rope_base"] == 500000.0
     assert gpt["n_layer"] == 12 and config["trainer"]["precision"] == "bf16-mixed"  # from ddp.yaml
+
+
+def _merged(*paths):
+    def merge(a, b):
+        for k, v in b.items():
+            a[k] = merge(a.get(k) or {}, v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+        return a
+
+    out = {}
+    for p in paths:
+        with open(p) as f:
+            merge(out, yaml.safe_load(f) or {})
+    return out
+
+
+ROWS = sorted(
+    p for folder in ("recall", "copy") for p in glob.glob(f"{REPO}/configs/{folder}/*.yaml") if "base.yaml" not in p
+)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda p: "/".join(p.split("/")[-2:]))
+def test_every_recall_and_copy_row_builds_its_policy_within_its_run(row):
+    """Each row's window policy is built from base + row as a run would, and a budget over the run (reach first
+    included) is checked against the run's length before any step."""
+    from aah_lightning.windows.config import AAHConfig
+    from aah_lightning.windows.policy_base import make_policy
+
+    cfg = _merged(os.path.join(os.path.dirname(row), "base.yaml"), row)
+    gpt, data = cfg["model"]["gpt"], cfg["data"]
+    policy = make_policy(AAHConfig(**cfg["model"]["aah"]), gpt["n_layer"], gpt["n_head"], data["seq_len"])
+    if hasattr(policy, "set_run_length"):
+        policy.set_run_length(cfg["trainer"]["max_steps"])
+    table = policy.initial_table()
+    assert table.shape == (gpt["n_layer"], gpt["n_head"])
