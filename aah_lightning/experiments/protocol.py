@@ -5,7 +5,8 @@ and a t interval describe neither mode. Per row: how many seeds learned (final r
 Clopper-Pearson interval, and the recall past ``FAR`` tokens. Per comparison (a row against its budget's control,
 and every controller row against the oracle): Fisher's exact test of the two counts, and the sign test and the
 paired permutation test of the per-seed recall differences (seeds paired: the same seed is the same initialisation
-and, for every row, the same data). Every p-value of the table joins one Holm family; a comparison is called
+and, for every row, the same data). A row's control is warm-up-matched: one window for all from step 0, or after the
+same full-context warmup for the rows that have one (``WARMUP_MATCHED``). Every p-value of the table joins one Holm family; a comparison is called
 ``better`` or ``worse`` only where one of its Holm-adjusted p-values is below 0.05, in the direction of the
 difference.
 """
@@ -22,7 +23,9 @@ from aah_lightning.experiments.tables import FRONTIER_ROW, fmt
 LEARNED = 0.9  # final recall accuracy at which a seed counts as having learned the task
 FAR = 128  # recall past this distance needs a window wider than FAR
 ALPHA = 0.05
-CONTROLS = ("fixed_warm", "fixed")  # the budget's control row: the first of these the suite ran
+UNIFORM = "fixed"  # one window for all heads from step 0: the control of every row that starts without full context
+# Rows that train at full context first are compared with one window for all after the same warmup.
+WARMUP_MATCHED = {"adaptive_layer": "fixed_warm", "adaptive_model": "fixed_warm", "gain_model": "fixed_warm"}
 ORACLE = "oracle"
 CONTROLLERS = re.compile(r"^(adaptive|reach|gain)")  # rows whose windows a controller decides
 
@@ -65,8 +68,8 @@ def row_summary(recs: list[dict], heads: dict[int, dict]) -> list[str]:
 
 
 def comparisons(by_row: dict[str, list[dict]]) -> list[tuple[str, str]]:
-    """(row, reference) pairs: every row of a budget against the budget's control, every controller row also
-    against the oracle of its budget."""
+    """(row, reference) pairs: every row of a budget against its warm-up-matched control (one window for all, after
+    the same full-context warmup where the row has one), every controller row also against the oracle."""
     targets: dict[str, dict[str, str]] = {}
     for r in by_row:
         m = FRONTIER_ROW.match(r)
@@ -75,9 +78,9 @@ def comparisons(by_row: dict[str, list[dict]]) -> list[tuple[str, str]]:
     pairs = []
     for target in sorted(targets, key=float):
         fam = targets[target]
-        control = next((fam[c] for c in CONTROLS if c in fam), None)
         for family, r in sorted(fam.items()):
-            if control is not None and r != control:
+            control = fam.get(WARMUP_MATCHED.get(family, UNIFORM))
+            if control is not None and r != control and family != "fixed_warm":
                 pairs.append((r, control))
             if CONTROLLERS.match(family) and ORACLE in fam:
                 pairs.append((r, fam[ORACLE]))

@@ -65,7 +65,9 @@ def records(row: str, recalls: list[float], far: float = 1.0) -> list[dict]:
 def test_protocol_calls_better_only_what_survives_holm():
     """10 of 10 learned against 0 of 10 survives Holm over the table; 6 of 10 against 3 of 10 does not."""
     by_row = {
+        "fixed_acr0.25": records("fixed_acr0.25", [0.1] * 10),
         "fixed_warm_acr0.25": records("fixed_warm_acr0.25", [0.1] * 10),
+        "adaptive_model_acr0.25": records("adaptive_model_acr0.25", [0.1] * 9 + [1.0]),
         "reach_mass_acr0.25": records("reach_mass_acr0.25", [1.0] * 10),
         "random_l1_acr0.25": records("random_l1_acr0.25", [1.0] * 6 + [0.1] * 4),
         "oracle_acr0.25": records("oracle_acr0.25", [1.0] * 10),
@@ -75,11 +77,14 @@ def test_protocol_calls_better_only_what_survives_holm():
     md = protocol.protocol_md(by_row, rows, heads)
     cells = [line.split(" | ") for line in md.splitlines() if line.startswith("| ")]
     lines = {c[0].strip("| ") + " vs " + c[1]: " | ".join(c) for c in cells if len(c) > 1}
-    assert lines["reach_mass_acr0.25 vs fixed_warm_acr0.25"].endswith("better |")
+    assert lines["reach_mass_acr0.25 vs fixed_acr0.25"].endswith("better |")  # no warmup: plain fixed
     assert lines["reach_mass_acr0.25 vs oracle_acr0.25"].endswith("not resolved |")
-    assert lines["oracle_acr0.25 vs fixed_warm_acr0.25"].endswith("better |")
+    assert lines["oracle_acr0.25 vs fixed_acr0.25"].endswith("better |")
+    assert "adaptive_model_acr0.25 vs fixed_warm_acr0.25" in lines  # 50 full-context steps: the matched control
+    assert "adaptive_model_acr0.25 vs fixed_acr0.25" not in lines
+    assert lines["adaptive_model_acr0.25 vs oracle_acr0.25"].endswith("worse |")
     assert "| reach_mass_acr0.25 | 10/10 | [0.69, 1.00] |" in md
     assert "L1 10" in md  # the long head's layer, from the final tables
-    # 6/10 vs 0/10: Fisher p = 0.011, which Holm over the table's 12 p-values lifts above 0.05.
-    assert "random_l1_acr0.25 vs fixed_warm_acr0.25" in lines
-    assert lines["random_l1_acr0.25 vs fixed_warm_acr0.25"].endswith("not resolved |")
+    # 6/10 vs 0/10: Fisher p = 0.011, which Holm over the table's 21 p-values lifts above 0.05.
+    assert lines["random_l1_acr0.25 vs fixed_acr0.25"].endswith("not resolved |")
+    assert "fixed_warm_acr0.25 vs fixed_acr0.25" not in lines
