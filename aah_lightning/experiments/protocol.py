@@ -149,7 +149,24 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
             verdict,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *final_tables(rows, heads)]
     return "\n".join(lines) + "\n"
+
+
+def final_tables(rows: list[str], heads: dict[tuple[str, int], dict]) -> list[str]:
+    """Markdown lines: every controller row's final table per seed, beside the oracle's of the same budget."""
+    chosen = [r for r in rows if CONTROLLERS.match(r) or r.startswith(ORACLE)]
+    out = ["Final tables (layer 0 / layer 1 ..., per seed):", "", "| row | seed: final table |", "|---|---|"]
+    for r in chosen:
+        seeds = sorted(seed for row, seed in heads if row == r)
+        if not seeds:
+            continue
+        cells = [
+            f"{seed}: " + " ".join(str(layer).replace(" ", "") for layer in heads[(r, seed)]["final_table"])
+            for seed in seeds
+        ]
+        out.append(f"| {r} | " + " · ".join(cells) + " |")
+    return out
 
 
 def _p(p: float) -> str:

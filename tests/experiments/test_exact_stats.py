@@ -85,6 +85,7 @@ def test_protocol_calls_better_only_what_survives_holm():
     assert lines["adaptive_model_acr0.25 vs oracle_acr0.25"].endswith("worse |")
     assert "| reach_mass_acr0.25 | 10/10 | [0.69, 1.00] |" in md
     assert "L1 10" in md  # the long head's layer, from the final tables
+    assert "| reach_mass_acr0.25 | 0: [16,16,16,16] [256,64,32,32] · 1: " in md  # the tables themselves
     # 6/10 vs 0/10: Fisher p = 0.011, which Holm over the table's 21 p-values lifts above 0.05.
     assert lines["random_l1_acr0.25 vs fixed_acr0.25"].endswith("not resolved |")
     assert "fixed_warm_acr0.25 vs fixed_acr0.25" not in lines
