@@ -86,3 +86,27 @@ def test_each_policy_config_builds_the_table_it_describes(path):
         assert table.tolist() == aah["table"]
     else:
         assert set(table.flatten().tolist()) <= set(aah["candidates"])
+
+
+def test_fixed_after_a_full_context_warmup():
+    """``warmup_steps``: every head sees the whole context first, then one window for all, exactly once."""
+    policy = make_policy(AAHConfig(policy="fixed", window=8, warmup_steps=3), 2, 4, 32)
+    assert policy.initial_table().tolist() == [[32] * 4] * 2
+    decided = {step: policy.on_train_step(step, None, None) for step in range(6)}
+    assert [s for s, t in decided.items() if t is not None] == [3]
+    assert decided[3].tolist() == [[8] * 4] * 2
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_random_with_long_layer_puts_the_widest_window_there(layer):
+    """``long_layer``: over many seeds the table's widest window is always in that layer, on varying heads, and the
+    histogram of windows is the table's."""
+    table = [[26, 204, 26, 51], [51, 26, 102, 26]]
+    heads = set()
+    for seed in range(12):
+        cfg = AAHConfig(policy="random", table=table, long_layer=layer, seed=seed)
+        drawn = make_policy(cfg, 2, 4, 256).initial_table()
+        assert sorted(drawn.flatten().tolist()) == sorted(sum(table, []))
+        assert 204 in drawn[layer].tolist()
+        heads.add(drawn[layer].tolist().index(204))
+    assert len(heads) > 1
