@@ -41,10 +41,10 @@ def learned(rec: dict) -> bool:
 
 
 def long_head_layer(table: list[list[int]]) -> str:
-    """The layer(s) holding the table's widest window, e.g. ``L1``; ``-`` when every head has the same window."""
+    """The layer(s) holding the table's widest window, e.g. ``L1``; ``uniform`` when every head has the same window."""
     widest = max(max(row) for row in table)
     if all(w == widest for row in table for w in row):
-        return "-"
+        return "uniform"
     return "+".join(f"L{layer}" for layer, row in enumerate(table) if widest in row)
 
 
