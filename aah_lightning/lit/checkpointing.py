@@ -25,6 +25,7 @@ keys and its reader for everything outside the Trainer (``read_checkpoint``, ``l
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -48,6 +49,10 @@ from aah_lightning.errors import CheckpointWriteError
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
+
+
+def _partial_name() -> str:
+    return f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _fsync_dir(folder: str) -> None:
@@ -93,13 +98,61 @@ def remove_stale_partials(folder: str) -> list[str]:
     return removed
 
 
+def _nbytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists, tuples): about what ``torch.save`` writes for it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes() if obj.device.type != "meta" else 0
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# torch.save reports a failed write of its archive as a RuntimeError without an errno (torch 2.13: "[enforce fail at
+# inline_container.cc:...] . unexpected pos 704 vs 598"; earlier: "PytorchStreamWriter failed writing file ...").
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+
+
+def _write_error(e: BaseException, path: str, folder: str, needed: int, written: int) -> Optional[CheckpointWriteError]:
+    """``e`` (raised while ``path`` was written) as one line, if it is a failed write; None otherwise. A full disk
+    (ENOSPC or a quota, or torch's errno-less write failure with less room left than the rest of the file) names the
+    folder, the space the checkpoint needs and what is free."""
+    torch_write = isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILED)
+    if not isinstance(e, OSError) and not torch_write:
+        return None
+    try:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        free = None
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        torch_write and free is not None and free < needed - written
+    )
+    if full:
+        room = f", {_mib(free)} free" if free is not None else ""
+        return CheckpointWriteError(
+            f"could not write checkpoint {path}: no space left in {folder} (the checkpoint needs about "
+            f"{_mib(needed)}{room}); the previous checkpoint there (if any) is intact: free space there, or set "
+            f"checkpoint.dirpath to a folder with room"
+        )
+    reason = e.strerror or e if isinstance(e, OSError) else str(e).strip().splitlines()[0]
+    return CheckpointWriteError(
+        f"could not write checkpoint {path}: {reason}; the previous checkpoint there (if any) is intact"
+    )
+
+
 def atomic_torch_save(obj: Any, path) -> None:
     """``torch.save(obj, path)`` such that ``path`` is never seen half-written, even after a SIGKILL."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     remove_stale_partials(folder)
-    tmp = os.path.join(folder, f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(folder, _partial_name())
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -107,13 +160,12 @@ def atomic_torch_save(obj: Any, path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {e.strerror or e}; the previous checkpoint there (if any) is "
-                f"intact"
-            ) from e
+        error = _write_error(e, path, folder, _nbytes(obj), written)
+        if error is not None:
+            raise error from e
         raise
     _fsync_dir(folder)
 
@@ -289,10 +341,6 @@ class LastCheckpoint(ModelCheckpoint):
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-def _partial_name() -> str:
-    return f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def swap_in(tmp: str, final: str) -> None:

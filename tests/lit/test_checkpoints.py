@@ -70,21 +70,79 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint_intact(tmp_path)
     assert sorted(os.listdir(target.parent)) == ["last.ckpt"]
 
 
-def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 600 KiB file system (a tmpfs: room for one tiny checkpoint, not for the next one beside it), or a skip
+    where this machine does not let the test mount one (not root, no CAP_SYS_ADMIN); the fake below still runs."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_during_a_save_is_one_line_exit_4_and_keeps_the_previous_checkpoint(tmp_path, small_disk, capsys):
+    folder = small_disk / "ckpts"
+    code, line = cli_error(
+        ["fit", "--config", tiny_config(tmp_path), f"--checkpoint.dirpath={folder}", "--trainer.max_steps=4"], capsys
+    )
+    assert code == 4, line
+    assert f"no space left in {folder} (the checkpoint needs about 0.3 MiB" in line, line
+    assert "MiB free); the previous checkpoint there (if any) is intact" in line, line
+    assert os.listdir(folder) == ["last.ckpt"]  # no partial file left behind
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 1  # the save before the failed one, whole
+
+
+class _NoRoom:  # os.statvfs of a full disk
+    f_bavail, f_frsize = 0, 4096
+
+
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left in "),
+        # torch 2.13's form of ENOSPC: no errno; the disk is full when less is free than the rest of the file
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "no space left in "),
+        (OSError(errno.EIO, "Input/output error"), "Input/output error; the previous checkpoint there"),
+    ],
+)
+def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, error, message):
+    """The fake counterpart of the small-disk test, for machines that cannot mount one, and the other write errors."""
     target = tmp_path / "last.ckpt"
     plugin = AtomicCheckpointIO()
     plugin.save_checkpoint({"version": 1}, target)
 
-    def disk_full(obj, f):
+    def failing_save(obj, f):
         f.write(b"PK\x03\x04 partial bytes")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
-    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
-    with pytest.raises(CheckpointWriteError, match="No space left on device; the previous checkpoint there"):
-        plugin.save_checkpoint({"version": 2}, target)
+    monkeypatch.setattr(checkpointing.torch, "save", failing_save)
+    if isinstance(error, RuntimeError):
+        monkeypatch.setattr(checkpointing.os, "statvfs", lambda folder: _NoRoom, raising=False)
+    with pytest.raises(CheckpointWriteError, match=message) as raised:
+        plugin.save_checkpoint({"version": 2, "w": torch.zeros(1 << 18)}, target)
+    if "space" in message:
+        assert f"in {tmp_path} (the checkpoint needs about 1.0 MiB" in str(raised.value)
     monkeypatch.undo()
     assert load_checkpoint_file(target)["version"] == 1
     assert os.listdir(tmp_path) == ["last.ckpt"]  # the partial file was removed
+
+
+def test_a_runtime_error_that_is_not_a_write_failure_is_not_reported_as_one(tmp_path, monkeypatch):
+    def broken_save(obj, f):
+        raise RuntimeError("something else went wrong")
+
+    monkeypatch.setattr(checkpointing.torch, "save", broken_save)
+    with pytest.raises(RuntimeError, match="something else") as raised:
+        AtomicCheckpointIO().save_checkpoint({"version": 2}, tmp_path / "last.ckpt")
+    assert not isinstance(raised.value, CheckpointWriteError)
+    assert os.listdir(tmp_path) == []
 
 
 def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
