@@ -111,6 +111,7 @@ class AAHCLI(LightningCLI):
                 "best_checkpoint.mode": "min",
                 "best_checkpoint.save_top_k": 1,
                 "best_checkpoint.save_last": False,
+                "best_checkpoint.enable_version_counter": False,  # the same step's best is the same file
             }
         )
         parser.add_lightning_class_args(Throughput, "throughput")

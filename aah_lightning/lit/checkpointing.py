@@ -272,6 +272,9 @@ class LastCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             train_time_interval=train_time_interval,
             verbose=verbose,
+            # Always last.ckpt, never a last-vN.ckpt beside a stale last.ckpt (a resume with another interval, from a
+            # copied folder): one file per folder, and --ckpt_path last takes it by step, not by date.
+            enable_version_counter=False,
         )
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:

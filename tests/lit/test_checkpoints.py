@@ -153,14 +153,63 @@ def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
     assert [type(cb) for cb in cli.trainer.checkpoint_callbacks][:1] == [LastCheckpoint]
 
 
-def test_last_means_the_newest_complete_last_checkpoint(tmp_path):
+def _save_step(path, step: int, mtime: int) -> None:
+    torch.save({"global_step": step, "state_dict": {}}, path)
+    os.utime(path, (mtime, mtime))
+
+
+def test_last_is_the_highest_step_that_verifies_not_the_newest_file(tmp_path):
     folder = tmp_path / "ckpts"
     folder.mkdir()
-    for i, name in enumerate(["last.ckpt", "last-v1.ckpt", f"{PARTIAL_PREFIX}host-1-abcd", "best-step9.ckpt"]):
-        (folder / name).write_bytes(b"x")
-        os.utime(folder / name, (1000 + i, 1000 + i))
+    _save_step(folder / "last.ckpt", 8, 1000)
+    _save_step(folder / "last-v1.ckpt", 4, 2000)  # a stale copy, touched after the newer step was written
+    _save_step(folder / "best-step9.ckpt", 9, 3000)  # not a last checkpoint
+    damaged = folder / "last-v2.ckpt"
+    damaged.write_bytes((folder / "last.ckpt").read_bytes()[:100])  # truncated, newest of all
+    os.utime(damaged, (4000, 4000))
+    (folder / f"{PARTIAL_PREFIX}host-1-abcd").write_bytes(b"x")
     trainer = L.Trainer(callbacks=[LastCheckpoint(dirpath=str(folder))], logger=False)
-    assert resolve_ckpt_path(trainer, "last") == str(folder / "last-v1.ckpt")
+    with pytest.warns(UserWarning, match=f"skipping {damaged}: it does not verify"):
+        assert resolve_ckpt_path(trainer, "last") == str(folder / "last.ckpt")
+
+
+def test_a_damaged_last_is_refused_naming_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    folder = train_tiny(tmp_path, "--trainer.max_steps=4")  # last.ckpt (step 4), best-step4.ckpt
+    os.remove(os.path.join(folder, "best-step4.ckpt"))
+    _save_step(os.path.join(folder, "best-step2.ckpt"), 2, 1000)
+    _save_step(os.path.join(folder, "best-step3.ckpt"), 3, 900)
+    last = os.path.join(folder, "last.ckpt")
+    with open(last, "r+b") as f:  # one flipped byte inside the archive: the CRC no longer matches
+        f.seek(os.path.getsize(last) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for ckpt_path in ("last", last):
+        code, line = cli_error(["fit", "--config", tiny_config(tmp_path), "--ckpt_path", ckpt_path], capsys)
+        assert code == 2 and f"ckpt_path={last!r} is corrupt" in line, line
+        best = os.path.join(folder, "best-step3.ckpt")
+        assert line.endswith(f"use an earlier checkpoint: the newest in that folder that verifies is {best} (step 3)")
+
+
+def test_resumes_keep_one_last_checkpoint_of_the_right_step(tmp_path):
+    """A resume with another save interval, and one from a copied folder whose files are all newer than the run,
+    write last.ckpt (no last-v1.ckpt beside it) and resume from the highest step."""
+    config = tiny_config(tmp_path)
+    first = tmp_path / "first"
+    main(["fit", "--config", config, f"--checkpoint.dirpath={first}", "--trainer.max_steps=4"])
+    main(
+        ["fit", "--config", config, f"--checkpoint.dirpath={first}", "--trainer.max_steps=6"]
+        + ["--checkpoint.every_n_train_steps=3", "--ckpt_path=last"]
+    )
+    assert sorted(n for n in os.listdir(first) if n.startswith("last")) == ["last.ckpt"]
+    assert load_checkpoint_file(first / "last.ckpt")["global_step"] == 6
+
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(first), str(copy)], check=True)  # new modification times
+    main(["fit", "--config", config, f"--checkpoint.dirpath={copy}", "--trainer.max_steps=8", "--ckpt_path=last"])
+    assert sorted(n for n in os.listdir(copy) if n.startswith("last")) == ["last.ckpt"]
+    assert load_checkpoint_file(copy / "last.ckpt")["global_step"] == 8
+    assert not [n for n in os.listdir(copy) if "-v" in n]  # no best-step*-v1.ckpt either
 
 
 @pytest.mark.parametrize("policy", sorted(available_policies()))
