@@ -228,9 +228,8 @@ def checkpoint_step(path, weights_only: Optional[bool] = None) -> Optional[int]:
             return None
         path = meta
     try:
-        step = load_checkpoint_file(
-            path, map_location="cpu", weights_only=weights_only, mmap=True, suggest=False
-        ).get(GLOBAL_STEP_KEY)
+        checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True, suggest=False)
+        step = checkpoint.get(GLOBAL_STEP_KEY)
     except (ConfigError, AttributeError):  # damaged, unsafe, or not a dict
         return None
     return step if isinstance(step, int) else None
