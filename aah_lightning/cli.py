@@ -34,7 +34,13 @@ from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SignalStop
+from aah_lightning.lit.checkpointing import (
+    INTERRUPT_EXIT_CODE,
+    SIGTERM_EXIT_CODE,
+    AtomicCheckpointIO,
+    LastCheckpoint,
+    SignalStop,
+)
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
@@ -246,7 +252,7 @@ def check_config_files(argv) -> None:
 
 
 def sigterm_report(stop: SIGTERMException, argv) -> str:
-    """What happened and how to go on, after SIGTERM (or SLURM's requeue signal) ended a run."""
+    """What happened and how to go on, after SIGTERM, SIGINT (or SLURM's requeue signal) ended a run."""
     if not isinstance(stop, SignalStop):  # Lightning's: the signal came before the first training step
         return (
             "stopped by SIGTERM before this run finished a training step: nothing was saved (an earlier last.ckpt is "
@@ -264,12 +270,13 @@ def sigterm_report(stop: SIGTERMException, argv) -> str:
                 continue
             kept.append(arg)
         command = shlex.join(["aah", "fit", *kept, "--ckpt_path", "last"])
+    name = signal.Signals(stop.signum).name
     if stop.requeue is not None:
         return (
-            f"stopped by {signal.Signals(stop.signum).name} (SLURM's requeue signal) after step {stop.step}: its "
-            f"checkpoint is {stop.path}; {stop.requeue}"
+            f"stopped by {name} (SLURM's requeue signal) after step {stop.step}: its checkpoint is {stop.path}; "
+            f"{stop.requeue}"
         )
-    return f"stopped by SIGTERM after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
+    return f"stopped by {name} after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
 
 
 def main(args=None) -> None:
@@ -304,6 +311,9 @@ def main(args=None) -> None:
         if rank_zero_only.rank == 0:
             print(f"aah: {sigterm_report(e, argv)}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SignalStop) else SIGTERM_EXIT_CODE)
+    except KeyboardInterrupt:  # Ctrl-C before the Trainer ran (parsing, building the classes): nothing to save
+        print("aah: interrupted (SIGINT) before training started: nothing was saved", file=sys.stderr)
+        sys.exit(INTERRUPT_EXIT_CODE)
     finally:
         shutdown_process_group()
 

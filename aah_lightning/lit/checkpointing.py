@@ -13,7 +13,8 @@ Stopping on SIGTERM (``LastCheckpoint``): a preemption, ``scontrol requeue``, ``
 SIGTERM. Every rank finishes the optimizer step it is in (the whole accumulation window), the ranks agree at that step
 boundary (``reduce_boolean_decision``: one rank's signal is enough), ``last.ckpt`` of that step is written (atomically,
 as every checkpoint) and ``SignalStop`` ends the run; the CLI says so in one line and exits with 143. SLURM's requeue
-signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once.
+signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once. SIGINT (Ctrl-C) too, with exit
+code 130; a second SIGINT ends the process at once.
 
 Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
 must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
@@ -39,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -190,6 +192,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+INTERRUPT_EXIT_CODE = 128 + signal.SIGINT  # 130: the same for SIGINT (Ctrl-C)
 
 
 class SignalStop(SIGTERMException):
@@ -244,6 +247,10 @@ class LastCheckpoint(ModelCheckpoint):
     SIGTERM while that happens is counted and changes nothing; Lightning's teardown puts the original handlers back
     afterwards. A signal before ``on_train_start`` (setup, sanity validation) stays Lightning's: no step was trained.
 
+    SIGINT (Ctrl-C) is taken the same way from ``on_train_start`` on (Python would raise ``KeyboardInterrupt``
+    anywhere, and Lightning would exit with 1 without saving): the step is finished and saved, exit code 130. A
+    second SIGINT ends the process at once (exit code 130, one line), without waiting for the save.
+
     SLURM's requeue signal (USR1) reaching the tasks (``--signal=USR1@300`` without ``B:``, ``scancel --signal=USR1``
     without ``--batch``): under a ``SLURMEnvironment`` whose Lightning auto-requeue is off (the CLI's), it is taken the
     same way, and after the save rank 0 requeues the job once (``scontrol requeue``), unless some rank also got SIGTERM
@@ -296,19 +303,22 @@ class LastCheckpoint(ModelCheckpoint):
         # Every rank is at the same step boundary here: one collective decides for all of them (and, only when they
         # stop, two more say which signal).
         strategy = trainer.strategy
-        if not strategy.reduce_boolean_decision(self._sigterms + self._requeues > 0, all=False) or finished:
+        signalled = self._sigterms + self._sigints + self._requeues > 0
+        if not strategy.reduce_boolean_decision(signalled, all=False) or finished:
             return
         terminated = strategy.reduce_boolean_decision(self._sigterms > 0, all=False)
-        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not terminated
+        interrupted = strategy.reduce_boolean_decision(self._sigints > 0, all=False) and not terminated
+        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not (terminated or interrupted)
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if not requeue:
-            raise SignalStop(trainer.global_step, self.last_model_path)
+            signum = signal.SIGINT if interrupted else signal.SIGTERM
+            raise SignalStop(trainer.global_step, self.last_model_path, signum)
         done = requeue_slurm_job() if trainer.is_global_zero else None
         raise SignalStop(trainer.global_step, self.last_model_path, self._requeue_signal, done)
 
     # -- signals -------------------------------------------------------------------------------------------------------
-    _sigterms = _requeues = 0
+    _sigterms = _sigints = _requeues = 0
     _requeue_signal = signal.SIGUSR1
 
     @property
@@ -318,15 +328,22 @@ class LastCheckpoint(ModelCheckpoint):
         return self._sigterms
 
     @property
+    def sigints(self) -> int:
+        """How many times this process has received SIGINT (Ctrl-C) since training started: the first stops the run
+        as SIGTERM does (exit code 130), a second ends the process at once."""
+        return self._sigints
+
+    @property
     def requeue_signals(self) -> int:
         """How many times this process has received SLURM's requeue signal (USR1) since training started."""
         return self._requeues
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._sigterms = self._requeues = 0
+        self._sigterms = self._sigints = self._requeues = 0
         if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
             return
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigint)  # instead of Python's KeyboardInterrupt: nothing would be saved
         # As Lightning's _SignalConnector finds it (a single-device run under srun has a cluster environment too).
         environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
         if isinstance(environment, SLURMEnvironment) and not environment.auto_requeue:
@@ -336,6 +353,20 @@ class LastCheckpoint(ModelCheckpoint):
     # Nothing else in the handlers: no collective, no I/O. The step boundary acts on them.
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterms += 1
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._sigints += 1
+        if self._sigints == 1:
+            return
+        # A second Ctrl-C: the user wants the process gone, not the save. Every checkpoint on disk is whole (atomic
+        # writes); a temporary file this leaves is removed by the next save.
+        if rank_zero_only.rank == 0:
+            os.write(
+                2,
+                f"aah: stopped at once by a second SIGINT: this step is not saved; {self.dirpath} holds the last "
+                f"complete checkpoint\n".encode(),
+            )
+        os._exit(INTERRUPT_EXIT_CODE)
 
     def _on_requeue_signal(self, signum, frame) -> None:
         self._requeues += 1

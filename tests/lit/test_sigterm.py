@@ -5,6 +5,8 @@ tests/distributed/test_ddp_fsdp2.py; through SLURM: tests/distributed/test_slurm
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from aah_lightning.cli import main, sigterm_report
@@ -38,6 +40,36 @@ def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_a
     check_resumed(tmp_path)  # the same batches, tables, random draws and losses; the same final weights
 
 
+def test_sigint_once_is_sigterm_with_exit_code_130(tmp_path, tiny_args):
+    """Ctrl-C: the step is finished and saved, one line, exit code 130, and the resume is exact."""
+    main(run_args(tiny_args, tmp_path / "whole"))
+
+    parts = tmp_path / "parts"
+    args = run_args(tiny_args, parts, *hold_args(parts, INTERRUPT_AT))
+    code, stderr = run_and_sigterm(args, parts, signum=signal.SIGINT)
+    lines = sigterm_lines(stderr, "SIGINT")
+    assert code == 130 and len(lines) == 1, stderr[-4000:]
+    last = parts / "ckpt" / "last.ckpt"
+    assert lines[0].startswith(f"aah: stopped by SIGINT after step {INTERRUPT_AT + 1}: its checkpoint is {last}; ")
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert load_checkpoint_file(last)["global_step"] == INTERRUPT_AT + 1
+
+    main(run_args(tiny_args, parts, "--ckpt_path=last"))
+    check_resumed(tmp_path)
+
+
+def test_a_second_sigint_stops_at_once_without_the_save(tmp_path, tiny_args):
+    parts = tmp_path / "parts"
+    args = run_args(tiny_args, parts, *hold_args(parts, INTERRUPT_AT, second_at_save=True))
+    code, stderr = run_and_sigterm(args, parts, second_at_save=True, signum=signal.SIGINT)
+    folder = parts / "ckpt"
+    lines = [line for line in stderr.splitlines() if line.startswith("aah:")]
+    assert code == 130 and lines == [
+        f"aah: stopped at once by a second SIGINT: this step is not saved; {folder} holds the last complete checkpoint"
+    ], stderr[-4000:]
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == INTERRUPT_AT  # the periodic save before it
+
+
 def test_the_line_names_the_command_to_resume_with():
     stop = SignalStop(59, "runs/quickstart/checkpoints/last.ckpt")
     argv = ["fit", "--config", "configs/quickstart.yaml", "--ckpt_path", "runs/x.ckpt", "--model.gpt.n_layer=2"]
@@ -48,8 +80,6 @@ def test_the_line_names_the_command_to_resume_with():
 
 
 def test_the_line_after_slurms_requeue_signal_says_what_rank_0_did():
-    import signal
-
     stop = SignalStop(7, "run/last.ckpt", signal.SIGUSR1, "SLURM job 42 requeued: it starts again and resumes from it")
     assert stop.code == 138
     assert sigterm_report(stop, ["fit"]) == (
