@@ -40,6 +40,7 @@ from aah_lightning.lit.checkpointing import (
     AtomicCheckpointIO,
     LastCheckpoint,
     SignalStop,
+    release_folder_locks,
 )
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
@@ -315,6 +316,7 @@ def main(args=None) -> None:
         print("aah: interrupted (SIGINT) before training started: nothing was saved", file=sys.stderr)
         sys.exit(INTERRUPT_EXIT_CODE)
     finally:
+        release_folder_locks()
         shutdown_process_group()
 
 

@@ -243,4 +243,8 @@ def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_o
             saved = _saved_entry(path, DATAMODULE_STATE_KEY, weights_only)
             if saved and "layout" in saved:
                 datamodule.check_resume(saved["layout"], trainer)
+    if stage == "fit":  # last: a run refused by a check above holds no lock
+        for cb in trainer.callbacks:
+            if isinstance(cb, LastCheckpoint):
+                cb.lock_folder(trainer)
     return path

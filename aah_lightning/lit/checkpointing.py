@@ -25,29 +25,33 @@ keys and its reader for everything outside the Trainer (``read_checkpoint``, ``l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
-from aah_lightning.errors import CheckpointWriteError
+from aah_lightning.errors import CheckpointWriteError, ConfigError
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
@@ -172,6 +176,148 @@ def atomic_torch_save(obj: Any, path) -> None:
     _fsync_dir(folder)
 
 
+LOCK_NAME = ".aah-lock"  # hidden, not *.ckpt: no checkpoint search ever sees it
+
+
+class FolderLock:
+    """One run per checkpoint folder: ``<folder>/.aah-lock`` holds the writer's host, PID and start time.
+
+    ``acquire`` creates it atomically (``os.link`` of a complete file: it exists whole or not at all) or refuses, in
+    one line naming the run that holds it. A lock is stale - its run was killed - when its host is this one and its
+    PID is not running, or when its heartbeat is older than ``STALE_AFTER_S`` (another host: a daemon thread of the
+    holder touches the file every ``HEARTBEAT_S``); a stale lock is taken over with a warning. ``held`` says whether
+    the file is still this lock (a run that was stopped with SIGSTOP past the stale limit may have lost it).
+    """
+
+    HEARTBEAT_S = 30.0
+    STALE_AFTER_S = 300.0
+
+    def __init__(self, folder: str, setting: str = "checkpoint.dirpath"):
+        self.folder, self.setting = os.path.abspath(folder), setting
+        self.path = os.path.join(self.folder, LOCK_NAME)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "id": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _holder(self) -> Optional[dict]:
+        """The lock's record and ``age`` (seconds since its last heartbeat); None if there is no lock."""
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+            with open(self.path) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # not a record of ours (it is created whole): stale only by its age
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        return {"host": "?", "pid": "?", "started": 0, "id": None, **holder, "age": age}
+
+    def _create(self, tmp: str) -> bool:
+        """Make the lock, atomically; False if there is one already."""
+        try:
+            os.link(tmp, self.path)  # the complete record appears at once
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: exclusive creation, then the record
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record, f)
+            return True
+
+    def _stale(self, holder: dict) -> bool:
+        if holder["age"] > self.STALE_AFTER_S:
+            return True
+        return (
+            holder.get("host") == socket.gethostname()
+            and isinstance(holder.get("pid"), int)
+            and not _pid_alive(holder["pid"])
+        )
+
+    def acquire(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = os.path.join(self.folder, _partial_name())
+        with open(tmp, "w") as f:
+            json.dump(self.record, f)
+        try:
+            for _ in range(3):  # a lock that disappears or turns stale between two looks: look again
+                if self._create(tmp):
+                    break
+                holder = self._holder()
+                if holder is None:
+                    continue
+                if holder.get("id") == self.record["id"]:
+                    break
+                if not self._stale(holder):
+                    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
+                    raise ConfigError(
+                        f"{self.setting}={self.folder!r} is in use by another run: PID {holder.get('pid')} on host "
+                        f"{holder.get('host')} (started {started}, alive {holder['age']:.0f} s ago); wait for it to "
+                        f"end, stop it, or give this run another {self.setting}"
+                    )
+                # Set the stale lock aside under a name of our own; only one of two runs racing for it succeeds.
+                aside = os.path.join(self.folder, _partial_name())
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path, aside)
+                    with contextlib.suppress(OSError):
+                        os.remove(aside)
+                    rank_zero_warn(
+                        f"{self.setting}={self.folder!r}: took over the lock of PID {holder.get('pid')} on host "
+                        f"{holder.get('host')}, which is no longer running (no heartbeat for {holder['age']:.0f} s or "
+                        f"no such process)"
+                    )
+            else:
+                raise ConfigError(f"{self.setting}={self.folder!r}: could not take its lock {self.path}")
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="aah-lock-heartbeat", daemon=True)
+        self._thread.start()
+        _HELD.add(self)
+        atexit.register(self.release)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def held(self) -> bool:
+        holder = self._holder()
+        return holder is not None and holder.get("id") == self.record["id"]
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.held():
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        _HELD.discard(self)
+        atexit.unregister(self.release)
+
+
+_HELD: set[FolderLock] = set()  # the locks this process holds
+
+
+def release_folder_locks() -> None:
+    """Release every checkpoint-folder lock this process holds (the CLI, when a command ends in any way)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
+def _first_process(trainer) -> bool:
+    """Whether this is the run's global rank 0, also before the Trainer has set its ranks: processes started by
+    torchrun or SLURM know theirs from the environment, those Lightning starts from their node and local rank."""
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if environment is None:
+        return trainer.is_global_zero
+    if isinstance(environment, LightningEnvironment):  # its global rank is only set once the Trainer runs
+        return environment.node_rank() == 0 and environment.local_rank() == 0
+    return environment.global_rank() == 0
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint plugin with crash-safe saving and verified, weights-only loading."""
 
@@ -284,6 +430,35 @@ class LastCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
 
+    # -- one run per folder ---------------------------------------------------------------------------------------
+    _lock: Optional[FolderLock] = None
+
+    def lock_folder(self, trainer) -> None:
+        """Take the checkpoint folder's ``FolderLock`` for this run (the first process only; once): a second run on
+        the folder is refused in one line. The CLI calls this before training; ``setup`` does for other callers."""
+        if self._lock is not None or not self.dirpath or is_remote(self.dirpath) or not _first_process(trainer):
+            return
+        lock = FolderLock(os.fspath(self.dirpath))
+        lock.acquire()
+        self._lock = lock
+
+    def release_folder(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self.lock_folder(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.release_folder()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self.release_folder()
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Where this run logs, so that a resume continues the same log folder (cli.AAHCLI._continue_log_folder).
         logger = trainer.logger
@@ -366,6 +541,7 @@ class LastCheckpoint(ModelCheckpoint):
                 f"aah: stopped at once by a second SIGINT: this step is not saved; {self.dirpath} holds the last "
                 f"complete checkpoint\n".encode(),
             )
+        release_folder_locks()
         os._exit(INTERRUPT_EXIT_CODE)
 
     def _on_requeue_signal(self, signum, frame) -> None:

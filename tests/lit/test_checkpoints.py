@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import signal
+import socket
 import subprocess
 import textwrap
+import time
 
 import lightning as L
 import pytest
 import torch
 
 from aah_lightning.cli import AAHCLI, main
-from aah_lightning.errors import CheckpointWriteError
+from aah_lightning.errors import CheckpointWriteError, ConfigError
 from aah_lightning.lit import checkpointing
 from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from aah_lightning.lit.datamodule import TextDataModule
@@ -261,3 +264,101 @@ def test_unsafe_checkpoint_is_refused_unless_allowed(tmp_path, capsys):
         ]
     )
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+# -- one run per checkpoint folder -------------------------------------------------------------------------------------
+LOCK_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from aah_lightning.lit.checkpointing import FolderLock
+
+    FolderLock(sys.argv[1]).acquire()
+    print("HELD", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _hold_lock(tmp_path, folder) -> subprocess.Popen:
+    """Another process holding ``folder``'s lock, as a running ``aah fit`` does."""
+    script = tmp_path / "holder.py"
+    script.write_text(LOCK_HOLDER)
+    proc = subprocess.Popen([PYTHON, str(script), str(folder)], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_path, capsys):
+    folder = tmp_path / "ckpts"
+    holder = _hold_lock(tmp_path, folder)
+    try:
+        code, line = cli_error(["fit", "--config", tiny_config(tmp_path)], capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2, line
+    assert line.startswith(
+        f"aah: error: checkpoint.dirpath={str(folder)!r} is in use by another run: PID {holder.pid} "
+    )
+    assert f"on host {socket.gethostname()} (started " in line and "give this run another checkpoint.dirpath" in line
+    assert not [n for n in os.listdir(folder) if n.endswith(".ckpt")]  # nothing was trained or written
+
+
+def test_a_killed_runs_lock_is_taken_over(tmp_path):
+    folder = tmp_path / "ckpts"
+    holder = _hold_lock(tmp_path, folder)
+    holder.send_signal(signal.SIGKILL)  # as the OOM killer or a scheduler's SIGKILL would
+    holder.wait()
+    assert os.path.exists(folder / checkpointing.LOCK_NAME)
+    with pytest.warns(UserWarning, match=f"took over the lock of PID {holder.pid} on host"):
+        train_tiny(tmp_path, "--trainer.max_steps=2")
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 2
+    assert not os.path.exists(folder / checkpointing.LOCK_NAME)  # released when the run ended
+
+
+@pytest.mark.parametrize("silent_for, taken", [(10, False), (3600, True)])
+def test_a_lock_of_another_host_is_stale_when_its_heartbeat_stops(tmp_path, silent_for, taken):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    lock = folder / checkpointing.LOCK_NAME
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": 0, "id": "theirs"}))
+    os.utime(lock, (time.time() - silent_for,) * 2)
+    mine = checkpointing.FolderLock(str(folder))
+    if taken:
+        with pytest.warns(UserWarning, match="took over the lock of PID 4242 on host node-elsewhere"):
+            mine.acquire()
+        assert mine.held()
+        mine.release()
+        assert not lock.exists()
+    else:
+        with pytest.raises(ConfigError, match="in use by another run: PID 4242 on host node-elsewhere"):
+            mine.acquire()
+        assert json.loads(lock.read_text())["id"] == "theirs"  # untouched
+
+
+def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointing.FolderLock, "HEARTBEAT_S", 0.01)
+    folder = tmp_path / "ckpts"
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lock = folder / checkpointing.LOCK_NAME
+            os.utime(lock, (0, 0))  # a heartbeat must bring it back to now
+            time.sleep(0.2)
+            seen.append((json.loads(lock.read_text())["pid"], time.time() - os.path.getmtime(lock)))
+
+    model = AAHModule(gpt=GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65))
+    data = TextDataModule(source="synthetic", seq_len=16, batch_size=2, synthetic_documents=50)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[LastCheckpoint(dirpath=str(folder), every_n_train_steps=1), Look()],
+    )
+    trainer.fit(model, datamodule=data)
+    assert [pid for pid, _ in seen] == [os.getpid()] * 2 and all(age < 60 for _, age in seen), seen
+    assert not os.path.exists(folder / checkpointing.LOCK_NAME)
