@@ -124,6 +124,9 @@ def _mib(n: float) -> str:
 _TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
 
 
+_FULL_SLACK = 16 * 2**20
+
+
 def _write_error(e: BaseException, path: str, folder: str, needed: int, written: int) -> Optional[CheckpointWriteError]:
     """``e`` (raised while ``path`` was written) as one line, if it is a failed write; None otherwise. A full disk
     (ENOSPC or a quota, or torch's errno-less write failure with less room left than the rest of the file) names the
@@ -136,8 +139,9 @@ def _write_error(e: BaseException, path: str, folder: str, needed: int, written:
         free = st.f_bavail * st.f_frsize
     except (OSError, AttributeError):  # no statvfs (Windows)
         free = None
+    # A failed write leaves up to a buffer's worth of room unused: some slack over the rest of the file.
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
-        torch_write and free is not None and free < needed - written
+        torch_write and free is not None and free < needed - written + _FULL_SLACK
     )
     if full:
         room = f", {_mib(free)} free" if free is not None else ""
@@ -169,7 +173,8 @@ def atomic_torch_save(obj: Any, path) -> None:
         written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        error = _write_error(e, path, folder, _nbytes(obj), written)
+        needed = max(_nbytes(obj), os.path.getsize(path) if os.path.isfile(path) else 0)  # the previous one's size
+        error = _write_error(e, path, folder, needed, written)
         if error is not None:
             raise error from e
         raise
@@ -486,6 +491,10 @@ class LastCheckpoint(ModelCheckpoint):
         requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not (terminated or interrupted)
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        # Lightning sends a step's metrics to the loggers after this hook, which the stop below skips: send them now,
+        # as it would (same step, same log_every_n_steps), so that the curves have no hole at the stop step.
+        trainer._logger_connector.on_batch_end()
+        trainer._logger_connector.update_train_step_metrics()
         if not requeue:
             signum = signal.SIGINT if interrupted else signal.SIGTERM
             raise SignalStop(trainer.global_step, self.last_model_path, signum)

@@ -13,6 +13,7 @@ from aah_lightning.cli import main, sigterm_report
 from aah_lightning.lit.checkpointing import SignalStop, load_checkpoint_file
 from helpers.resume import INTERRUPT_AT, check_resumed, run_args
 from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
+from helpers.tb import read_events
 
 pytestmark = pytest.mark.heavy
 
@@ -35,6 +36,9 @@ def test_sigterm_finishes_the_step_saves_it_and_resumes_exactly(tmp_path, tiny_a
     assert lines[0].endswith(" --ckpt_path last") and "--trainer.max_steps=8" in lines[0]
     assert "Traceback" not in stderr
     assert load_checkpoint_file(last)["global_step"] == step  # complete (checksums), and of that step
+    # Every step up to the stop step reached TensorBoard before the exit, as in the run that was never stopped.
+    whole_loss = read_events(tmp_path / "whole" / "runs")["scalars"]["train/loss"]
+    assert read_events(parts / "runs")["scalars"]["train/loss"] == whole_loss[:step]
 
     main(run_args(tiny_args, parts, "--ckpt_path=last"))
     check_resumed(tmp_path)  # the same batches, tables, random draws and losses; the same final weights
