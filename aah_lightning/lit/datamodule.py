@@ -600,7 +600,9 @@ class TextDataModule(L.LightningDataModule):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
+        # Only a resumed fit continues the data position; validate / test / predict of the checkpoint read none, on
+        # any number of processes, batch size or accumulation.
+        if not state or (self.trainer is not None and self.trainer.state.fn != "fit"):
             return
         self._restored, self._counts_restated = state, False
         self.check_resume(state["layout"])
