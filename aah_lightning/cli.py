@@ -10,13 +10,16 @@ saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
 import os
 import re
 import shlex
 import signal
 import sys
 import traceback
-from dataclasses import fields
+import typing
 from typing import Optional
 
 import torch
@@ -77,21 +80,130 @@ def moved_setting(message: str) -> Optional[str]:
     """jsonargparse's report of an unknown ``model.<name>`` that is one of the GPT's settings (a command line or
     config of the time before ``model.gpt``) as one line saying where it is now; None for any other parse error."""
     found = _UNKNOWN_MODEL_SETTING.search(message)
-    if found is None or found.group(1) not in {f.name for f in fields(GPTConfig)}:
+    if found is None or found.group(1) not in {f.name for f in dataclasses.fields(GPTConfig)}:
         return None
     name = found.group(1)
     return f"model.{name} is now model.gpt.{name}: the GPT's settings are under model.gpt (aah fit --help)"
 
 
+def setting_names(parser) -> list[str]:
+    """Every setting a (subcommand) parser takes, dotted; the fields of dataclass settings (``model.aah``,
+    ``model.optim``: one argument each for jsonargparse) included."""
+    names = []
+
+    def add(prefix: str, hint) -> None:
+        for arg in typing.get_args(hint) or (hint,):  # Optional[X] / Union: every member
+            if dataclasses.is_dataclass(arg):
+                try:
+                    hints = typing.get_type_hints(arg)  # the fields' types, also where they are strings
+                except Exception:
+                    hints = {}
+                for f in dataclasses.fields(arg):
+                    names.append(f"{prefix}.{f.name}")
+                    add(f"{prefix}.{f.name}", hints.get(f.name))
+
+    for action in parser._actions:
+        dest = action.dest
+        if dest in ("help", "config") or dest.endswith((".help", ".config")) or dest == argparse.SUPPRESS:
+            continue
+        names.append(dest)
+        add(dest, getattr(action, "_typehint", None))
+    return list(dict.fromkeys(names))
+
+
+def _flat_keys(config, prefix: str = "") -> set[str]:
+    keys = set()
+    if isinstance(config, dict):
+        for key, value in config.items():
+            name = f"{prefix}{key}"
+            keys.add(name)
+            keys |= _flat_keys(value, f"{name}.")
+    return keys
+
+
+def setting_source(key: str, argv) -> str:
+    """The --config file that sets ``key`` last on the command line ``argv``, as 'in FILE'; '' if none does or the
+    command line itself sets it later (a later source overrides an earlier one)."""
+    where, args = "", [str(a) for a in argv] if isinstance(argv, (list, tuple)) else []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args) or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+            if os.path.isfile(path):
+                try:
+                    config = read_yaml(path, "--config")
+                except ConfigError:
+                    continue
+                if key in _flat_keys(config):
+                    where = f"in {path}"
+        elif arg.startswith("--") and arg[2:].split("=", 1)[0] == key:
+            where = ""
+    return where
+
+
+_UNKNOWN_SETTING = re.compile(r"unrecognized arguments: (\S+)|does not accept option '([^']+)'")
+_UNKNOWN_FIELD = re.compile(r"Option '([^']+)' is not accepted")  # a field a dataclass setting lacks
+_EXPECTED = re.compile(r"Expected a <class '(?:[\w.]+\.)?(\w+)'>")
+_GIVEN = re.compile(r"(?:Got|Given) value: (.*)")
+
+
+def _subcommand_parser(parser, argv):
+    """The parser of the subcommand being run (errors in config files are reported by the root parser)."""
+    name = str(argv[0]) if isinstance(argv, (list, tuple)) and argv else ""
+    subcommands = getattr(parser, "_subcommands_action", None)
+    if subcommands is not None and name in subcommands._name_parser_map:
+        return name, subcommands._name_parser_map[name]
+    return (parser.prog.split()[-1] if parser.prog else ""), parser
+
+
+def parse_error(message: str, parser, argv) -> str:
+    """jsonargparse's report of a command line or config it cannot parse (an unknown setting, a value of the wrong
+    type, a value outside a setting's choices, anything else) as one line naming the setting, where it was set and,
+    for an unknown one, the nearest valid setting; without the usage (``--help`` prints that)."""
+    subcommand, parser = _subcommand_parser(parser, argv)
+    listed = f"aah {subcommand} --help lists every setting"
+    line = moved_setting(message)
+    if line is not None:
+        return line
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    unknown, field = _UNKNOWN_SETTING.search(message), _UNKNOWN_FIELD.search(message)
+    if unknown is not None or field is not None:
+        if unknown is not None:
+            key = (unknown.group(1) or unknown.group(2)).lstrip("-").split("=", 1)[0]
+        else:
+            key = ".".join([*keys[: 1 if keys else 0], field.group(1)])
+        given = [
+            str(a)[2:].split("=", 1)[0]
+            for a in (argv if isinstance(argv, (list, tuple)) else ())
+            if str(a).startswith("--")
+        ]
+        key = next((g for g in given if g.endswith(f".{key}")), key)  # jsonargparse cuts nested dataclass keys
+        where = setting_source(key, argv)
+        near = difflib.get_close_matches(key, setting_names(parser), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}? ({listed})" if near else listed
+        return f"{key}{f' (set {where})' if where else ''} is not a setting of aah {subcommand}: {hint}"
+    key = ".".join(keys)
+    where = f" (set {w})" if keys and (w := setting_source(key, argv)) else ""
+    line = choice_error(message)
+    if line is not None:
+        return line.replace(" is not allowed:", f"{where} is not allowed:", 1)
+    given = _GIVEN.search(message)
+    if keys and given is not None and _EXPECTED.search(message):
+        types = list(
+            dict.fromkeys(t if t != "NoneType" else "null" for t in _EXPECTED.findall(message[: given.start()]))
+        )
+        return f"{key}={given.group(1).strip()!r}{where} is not allowed: a value of type {' or '.join(types)}"
+    return f"{' '.join(message.split())} ({listed})"
+
+
 class _ArgumentParser(LightningArgumentParser):
-    """Lightning's parser; a value outside a setting's choices, or a GPT setting given where it was before model.gpt,
-    is one error line, like every other bad setting."""
+    """Lightning's parser; every parse error is one line (``parse_error``), like every other bad setting."""
+
+    argv = None  # the command line being parsed (set by AAHCLI.parse_arguments): where a bad setting came from
 
     def error(self, message: str, ex: Optional[Exception] = None):
-        line = choice_error(message) or moved_setting(message)
-        if line is None or not self.exit_on_error:
+        if not self.exit_on_error:
             return super().error(message, ex)
-        print(f"aah: error: {line}", file=sys.stderr)
+        print(f"aah: error: {parse_error(message, self, _ArgumentParser.argv)}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -100,6 +212,10 @@ class AAHCLI(LightningCLI):
         parser = _ArgumentParser(**kwargs)
         parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file (yaml).")
         return parser
+
+    def parse_arguments(self, parser, args) -> None:
+        _ArgumentParser.argv = sys.argv[1:] if args is None else args
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.gpt.seq_len")

@@ -246,5 +246,5 @@ def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_o
     if stage == "fit":  # last: a run refused by a check above holds no lock
         for cb in trainer.callbacks:
             if isinstance(cb, LastCheckpoint):
-                cb.lock_folder(trainer)
+                cb.lock_folder(trainer, create=False)
     return path

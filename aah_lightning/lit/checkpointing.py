@@ -51,7 +51,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
-from aah_lightning.errors import CheckpointWriteError, ConfigError
+from aah_lightning.errors import CheckpointWriteError, ConfigError, require
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
@@ -421,6 +421,15 @@ class LastCheckpoint(ModelCheckpoint):
         train_time_interval: Optional[timedelta] = None,
         verbose: bool = False,
     ):
+        # Lightning takes 0 as "never" (and a fit whose periodic checkpoints silently stopped loses work) and refuses
+        # a negative number with a traceback.
+        require(
+            every_n_train_steps is None or (isinstance(every_n_train_steps, int) and every_n_train_steps > 0),
+            "checkpoint.every_n_train_steps",
+            every_n_train_steps,
+            "a positive number of optimizer steps (or null: at the end of each epoch and when stopped by a signal; "
+            "or set checkpoint.train_time_interval)",
+        )
         if train_time_interval is not None:  # ModelCheckpoint takes one trigger only
             every_n_train_steps = None
         super().__init__(
@@ -438,10 +447,13 @@ class LastCheckpoint(ModelCheckpoint):
     # -- one run per folder ---------------------------------------------------------------------------------------
     _lock: Optional[FolderLock] = None
 
-    def lock_folder(self, trainer) -> None:
+    def lock_folder(self, trainer, create: bool = True) -> None:
         """Take the checkpoint folder's ``FolderLock`` for this run (the first process only; once): a second run on
-        the folder is refused in one line. The CLI calls this before training; ``setup`` does for other callers."""
+        the folder is refused in one line. The CLI calls this before anything is loaded, with ``create=False`` (a
+        folder that does not exist yet is locked by ``setup``, which creates it, after the data is loaded)."""
         if self._lock is not None or not self.dirpath or is_remote(self.dirpath) or not _first_process(trainer):
+            return
+        if not create and not os.path.isdir(self.dirpath):
             return
         lock = FolderLock(os.fspath(self.dirpath))
         lock.acquire()

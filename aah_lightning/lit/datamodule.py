@@ -377,10 +377,10 @@ class TextDataModule(L.LightningDataModule):
         batch, world = hp.batch_size, trainer.world_size
         round_ = batch * world  # blocks of one micro-batch on every rank
         if total % round_:
-            low, high = max(round_, total // round_ * round_), (total // round_ + 1) * round_
+            near = sorted({max(round_, total // round_ * round_), (total // round_ + 1) * round_})
             raise ConfigError(
                 f"data.global_batch_size={total} is not allowed with data.batch_size={batch} on {world} process(es): "
-                f"a multiple of {round_} (data.batch_size x processes), e.g. {low} or {high}"
+                f"a multiple of {round_} (data.batch_size x processes), e.g. {' or '.join(map(str, near))}"
             )
         acc, given = total // round_, trainer.accumulate_grad_batches
         if given not in (1, acc):

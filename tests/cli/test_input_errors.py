@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 
 from aah_lightning import validation
+from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
@@ -35,6 +36,60 @@ def text_file(tmp_path, name="corpus.txt", text=None) -> str:
     path = tmp_path / name
     path.write_text(text if text is not None else "def f(x):\n    return x * 2\n" * 400)
     return str(path)
+
+
+# -- parse errors: the setting, the file it came from, the nearest valid setting; no usage ---------------------------
+def parse_refusal(tmp_path, capsys, *args, **sections) -> str:
+    """The whole stderr of a refused parse: exactly one line."""
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", tiny_config(tmp_path, **sections), *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "usage:" not in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "ckpts")
+    return err.strip()
+
+
+def test_a_mistyped_setting_on_the_command_line_names_the_nearest_one(tmp_path, capsys):
+    assert parse_refusal(tmp_path, capsys, "--trainer.max_stepz=3") == (
+        "aah: error: trainer.max_stepz is not a setting of aah fit: did you mean trainer.max_steps? "
+        "(aah fit --help lists every setting)"
+    )
+    # A field of a dataclass setting (jsonargparse reports only the part below model.aah)
+    line = parse_refusal(tmp_path, capsys, "--model.aah.controller.warmup_stepz=3")
+    assert line.startswith("aah: error: model.aah.controller.warmup_stepz is not a setting of aah fit: did you mean ")
+    assert "model.aah.controller.warmup_steps?" in line
+
+
+def test_a_mistyped_setting_in_a_config_file_names_the_file(tmp_path, capsys):
+    config = tiny_config(tmp_path)
+    line = parse_refusal(tmp_path, capsys, model={"gpt": {"n_layr": 3}})  # tiny.yaml, rewritten with the typo
+    assert line == (
+        f"aah: error: model.gpt.n_layr (set in {config}) is not a setting of aah fit: did you mean model.gpt.n_layer? "
+        "(aah fit --help lists every setting)"
+    )
+    line = parse_refusal(tmp_path, capsys, model={"aah": {"polcy": "random"}})
+    assert line.startswith(f"aah: error: model.aah.polcy (set in {config}) is not a setting of aah fit: did you mean ")
+    assert line.endswith("model.aah.policy? (aah fit --help lists every setting)")
+
+
+def test_a_value_of_the_wrong_type_names_the_setting_and_its_file(tmp_path, capsys):
+    assert parse_refusal(tmp_path, capsys, "--data.batch_size=four") == (
+        "aah: error: data.batch_size='four' is not allowed: a value of type int"
+    )
+    config = tiny_config(tmp_path)
+    assert parse_refusal(tmp_path, capsys, data={"batch_size": "four"}) == (
+        f"aah: error: data.batch_size='four' (set in {config}) is not allowed: a value of type int"
+    )
+    assert parse_refusal(tmp_path, capsys, "--model.aah.controller.target_acr=half") == (
+        "aah: error: model.aah.controller.target_acr='half' is not allowed: a value of type float or null"
+    )
+
+
+def test_the_later_source_of_a_setting_is_the_one_named(tmp_path, capsys):
+    other = tmp_path / "other.yaml"
+    other.write_text("data:\n  batch_size: four\n")
+    line = parse_refusal(tmp_path, capsys, "--config", str(other))
+    assert line == f"aah: error: data.batch_size='four' (set in {other}) is not allowed: a value of type int"
 
 
 # -- model shape and window settings ---------------------------------------------------------------------------------
@@ -101,6 +156,8 @@ def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumu
         "aah: error: data.global_batch_size=6 is not allowed with data.batch_size=4 on 1 process(es): a multiple of 4 "
         "(data.batch_size x processes), e.g. 4 or 8"
     )
+    line = refuse(tmp_path, capsys, "--data.global_batch_size=2")  # below the smallest: one suggestion
+    assert line.endswith("a multiple of 4 (data.batch_size x processes), e.g. 4")
     line = refuse(tmp_path, capsys, "--data.global_batch_size=8", "--trainer.accumulate_grad_batches=3")
     assert line.startswith("aah: error: trainer.accumulate_grad_batches=3 is not allowed with data.global_batch_size=8")
     assert "(8 / (data.batch_size=4 x 1 processes) = 2)" in line
@@ -264,6 +321,14 @@ def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys)
         "0",
     )
     assert line == "aah: error: nonfinite_guard.check_every_n_steps=0 is not allowed: a positive integer or null"
+
+
+@pytest.mark.parametrize("every", [-1, 0])
+def test_a_checkpoint_interval_that_is_not_a_positive_number_of_steps(tmp_path, capsys, every):
+    line = refuse(tmp_path, capsys, f"--checkpoint.every_n_train_steps={every}")
+    assert line.startswith(
+        f"aah: error: checkpoint.every_n_train_steps={every} is not allowed: a positive number of optimizer steps"
+    )
 
 
 def test_checkpoint_folder_that_cannot_be_created(tmp_path, capsys):
