@@ -10,6 +10,7 @@ Trainer directly gets the same errors (those two live lower down, where the modu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -228,9 +229,46 @@ def check_devices(accelerator, devices) -> None:
         raise ConfigError(f"trainer.devices={devices!r} is not allowed {where}: an Apple GPU is one device (1)")
 
 
+# A model whose embeddings outweigh the rest this many times over is rarely what a recall run means to train.
+EMBEDDING_WARN_RATIO = 10
+
+
+def warn_questionable(module, datamodule) -> None:
+    """One warning line per setting that is legal but probably not meant: controller settings under a policy that
+    reads none of them; a recall vocabulary (``data.recall_keys``, ``data.recall_values``) that makes the embeddings
+    many times the rest of the model."""
+    aah = getattr(module, "aah_config", None)
+    if aah is not None and aah.policy != "adaptive":
+        default = type(aah.controller)()
+        changed = [
+            f"model.aah.controller.{f.name}={getattr(aah.controller, f.name)!r}"
+            for f in dataclasses.fields(aah.controller)
+            if getattr(aah.controller, f.name) != getattr(default, f.name)
+        ]
+        if changed:
+            rank_zero_warn(
+                f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with "
+                f"model.aah.policy={aah.policy!r}: only the adaptive policy reads model.aah.controller"
+            )
+    hp = getattr(datamodule, "hparams", {})
+    if hp.get("source") == "recall" or hp.get("recall_fraction", 0) > 0:
+        gpt = module.gpt_config
+        embeddings = gpt.vocab_size * gpt.n_embd  # the input embedding, tied to the output head
+        total = sum(p.numel() for p in module.parameters())
+        rest = max(total - embeddings, 1)
+        if embeddings > EMBEDDING_WARN_RATIO * rest:
+            rank_zero_warn(
+                f"data.recall_keys={hp.get('recall_keys')} (with data.recall_values={hp.get('recall_values')}) makes a "
+                f"vocabulary of {gpt.vocab_size} tokens: the embeddings hold {embeddings / 1e6:.1f} M of the model's "
+                f"{total / 1e6:.1f} M parameters, {embeddings / rest:.0f} times the rest; fewer keys train faster"
+            )
+
+
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
     """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
+    if stage == "fit":
+        warn_questionable(module, datamodule)
     if stage == "fit":
         if hasattr(datamodule, "resolve_accumulation"):  # data.global_batch_size sets the accumulation
             datamodule.resolve_accumulation(trainer)

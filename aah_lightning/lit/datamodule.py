@@ -176,6 +176,13 @@ class TextDataModule(L.LightningDataModule):
             test_fraction,
             f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})",
         )
+        require(
+            isinstance(val_blocks, int) and val_blocks >= 1,
+            "data.val_blocks",
+            val_blocks,
+            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
+        )
+        require(isinstance(test_blocks, int) and test_blocks >= 0, "data.test_blocks", test_blocks, ">= 0")
         require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
         require(recall_gaps in GAPS, "data.recall_gaps", recall_gaps, f"one of {', '.join(GAPS)}")
         require(isinstance(recall_values, int) and recall_values >= 2, "data.recall_values", recall_values, ">= 2")

@@ -148,6 +148,51 @@ def test_seq_len_not_positive(tmp_path, capsys):
     assert "seq_len=0" in line
 
 
+# -- legal but questionable: one warning line, and the run goes on --------------------------------------------------
+def _warnings_of(module, data) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validation.warn_questionable(module, data)
+    return [str(w.message) for w in caught]
+
+
+def test_a_controller_setting_under_a_policy_that_ignores_it_warns():
+    from aah_lightning.windows.config import AAHConfig
+
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4)
+    gpt = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
+    aah = AAHConfig(policy="random", candidates=[8, 16, 32])
+    aah.controller.target_acr = 0.5
+    assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == [
+        "model.aah.controller.target_acr=0.5 has no effect with model.aah.policy='random': only the adaptive policy "
+        "reads model.aah.controller"
+    ]
+    aah.policy = "adaptive"  # the policy that reads it: no warning
+    assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == []
+
+
+def test_a_recall_vocabulary_that_dwarfs_the_model_warns():
+    def run(keys: int) -> list[str]:
+        data = TextDataModule(source="recall", seq_len=32, batch_size=4, recall_keys=keys)
+        gpt = GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=data.vocab_size)
+        return _warnings_of(AAHModule(gpt=gpt), data)
+
+    assert run(32) == []  # configs/recall's size
+    (line,) = run(100000)
+    assert line.startswith("data.recall_keys=100000 (with data.recall_values=16) makes a vocabulary of 100017 tokens: ")
+    assert "times the rest; fewer keys train faster" in line
+
+
+def test_no_validation_blocks_is_refused(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--data.source=recall", "--data.val_blocks=0")
+    assert line == (
+        "aah: error: data.val_blocks=0 is not allowed: a positive number of held-out blocks (to train without "
+        "validation, set trainer.limit_val_batches=0)"
+    )
+
+
 # -- data ------------------------------------------------------------------------------------------------------------
 def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumulation(tmp_path, capsys):
     # tiny_config: data.batch_size=4 on one process
