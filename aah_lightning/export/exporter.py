@@ -69,6 +69,8 @@ def check_out(out: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     existing = parent
     while not os.path.isdir(existing):
+        if os.path.exists(existing):  # a file where a folder above out would have to be
+            raise ConfigError(f"--out={out!r} cannot be created: {existing} is a file, not a folder")
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out={out!r} cannot be created: {existing} is not writable")
@@ -130,7 +132,8 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
 
     tok = None
     if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
-        tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size)
+        setting = "--tokenizer" if tokenizer is not None else "data.tokenizer"  # the one the user gave
+        tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size, setting)
     eod_id = tok.eod_id if tok is not None else gpt.vocab_size - 1  # synthetic: the id after the symbols
     config = hf_config(gpt, windows, eod_id)
 

@@ -93,13 +93,14 @@ class TokenizerExport:
             f.write("\n")
 
 
-def prepare_tokenizer(spec: str, model_vocab: int) -> TokenizerExport:
+def prepare_tokenizer(spec: str, model_vocab: int, setting: str = "--tokenizer") -> TokenizerExport:
     """The export of aah tokenizer ``spec`` (``byte``, or what ``data.tokenizer`` names) for a model with
-    ``model_vocab`` ids. Raises ``ConfigError`` if it cannot be loaded or has more ids than the model."""
-    theirs = load_tokenizer(spec)  # ConfigError: a missing file, a hub name without network
+    ``model_vocab`` ids. Raises ``ConfigError``, naming ``setting`` (where ``spec`` came from), if it cannot be
+    loaded or has more ids than the model."""
+    theirs = load_tokenizer(spec, setting)  # ConfigError: a missing file, a hub name without network
     if theirs.vocab_size > model_vocab:
         raise ConfigError(
-            f"--tokenizer {spec!r} has {theirs.vocab_size} ids, the checkpoint's model {model_vocab}: use the "
+            f"{setting}={spec!r} has {theirs.vocab_size} ids, the checkpoint's model {model_vocab}: use the "
             f"tokenizer the model was trained with"
         )
     if isinstance(theirs, ByteTokenizer):

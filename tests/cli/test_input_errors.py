@@ -264,6 +264,38 @@ def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
     assert "data.hub_name='aah-tests/no-such-dataset'" in line and "cannot be reached" in line
 
 
+def test_a_hub_tokenizer_offline_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    import time
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))  # nothing cached
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    start = time.monotonic()
+    line = refuse(tmp_path, capsys, "--data.source=stdlib", "--data.tokenizer=aah-tests/no-such-tokenizer")
+    assert time.monotonic() - start < 20  # no retries (they took 33 s)
+    assert line.startswith(
+        "aah: error: data.tokenizer='aah-tests/no-such-tokenizer' is not in the local Hugging Face cache and "
+        "HF_HUB_OFFLINE is set: "
+    )
+
+
+def test_a_hub_tokenizer_with_the_hub_out_of_reach_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a port nothing listens on
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(proxy, raising=False)
+    line = refuse(tmp_path, capsys, "--data.source=stdlib", "--data.tokenizer=gpt2")
+    assert line == (
+        "aah: error: data.tokenizer='gpt2' is not in the local Hugging Face cache and the hub (http://127.0.0.1:9) "
+        "cannot be reached from this machine: pass a local tokenizer.json file or folder, or 'byte'"
+    )
+
+
 def test_tokenizer_larger_than_model_vocabulary(tmp_path):
     # The CLI links model.gpt.vocab_size to the tokenizer; code that builds the pieces itself gets the same check.
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=100))

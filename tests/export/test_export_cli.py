@@ -156,3 +156,27 @@ def test_compiled_block_names_and_the_tied_output_layer_are_mapped(make_module, 
     assert "model.blocks.0.attn.qkv.weight" in weights and not any("_orig_mod" in k for k in weights)
     assert "model.lm_head.weight" not in weights and torch.equal(windows, state["model.windows"])
     assert set(weights) == {k for k in state if k.startswith("model.")} - {"model.lm_head.weight", "model.windows"}
+
+
+def test_a_hub_tokenizer_offline_names_the_option_given(fitted_checkpoint, tmp_path, capsys):
+    code, _, err = run_export(
+        ["--ckpt_path", fitted_checkpoint, "--out", str(tmp_path / "hf"), "--tokenizer", "aah-tests/no-such"], capsys
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        "aah export: error: --tokenizer='aah-tests/no-such' is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+        "is set: no file or folder 'aah-tests/no-such' exists either; pass a local tokenizer.json file or folder, or "
+        "'byte'"
+    ]
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_out_below_a_file_is_refused_before_the_checkpoint_is_read(tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    import aah_lightning.export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "prepare", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    code, _, err = run_export(["--ckpt_path", str(tmp_path / "any.ckpt"), "--out", str(a_file / "sub")], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"aah export: error: --out={str(a_file / 'sub')!r} cannot be created: {a_file} is a file, not a folder"
+    ]
