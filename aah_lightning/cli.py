@@ -27,7 +27,7 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -36,7 +36,7 @@ from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
-from aah_lightning.lit.callbacks import Throughput
+from aah_lightning.lit.callbacks import ProgressBar, Throughput
 from aah_lightning.lit.checkpointing import (
     INTERRUPT_EXIT_CODE,
     SIGTERM_EXIT_CODE,
@@ -284,7 +284,7 @@ class AAHCLI(LightningCLI):
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
         try:
-            return super().instantiate_trainer(plugins=plugins, **kwargs)
+            trainer = super().instantiate_trainer(plugins=plugins, **kwargs)
         except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
             # What check_devices cannot foresee (strategies, num_nodes, device combinations): Lightning's first line.
             if not any(f.filename.endswith("accelerator_connector.py") for f in traceback.extract_tb(e.__traceback__)):
@@ -292,6 +292,11 @@ class AAHCLI(LightningCLI):
             t = config["trainer"]
             given = ", ".join(f"trainer.{k}={t.get(k)!r}" for k in ("accelerator", "devices", "strategy", "num_nodes"))
             raise ConfigError(f"{given} cannot be used on this machine: {first_line(e)}") from e
+        default_bar = vars(RichProgressBar())
+        for i, callback in enumerate(trainer.callbacks):  # Lightning's default bar (not one the config configured)
+            if type(callback) is RichProgressBar and vars(callback) == default_bar:
+                trainer.callbacks[i] = ProgressBar()
+        return trainer
 
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
