@@ -153,6 +153,9 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
             f"{loaded.missing_keys[:3]}, unexpected {loaded.unexpected_keys[:3]})"
         )
     tensors = {k: v.detach().contiguous() for k, v in weights.items()}  # the rebuilt GPT's own tensors: no copy
+    # The weights' dtype in config.json ("dtype"; "torch_dtype" before transformers 4.56), as transformers writes it.
+    dtype = next(iter(tensors.values())).dtype
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
     card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params)
     return ExportPlan(ckpt_path, config, tensors, tok, card)

@@ -86,6 +86,9 @@ class TokenizerExport:
             "clean_up_tokenization_spaces": False,
             "split_special_tokens": self.split_special_tokens,
             "model_max_length": model_max_length,
+            # A decoder-only model continues the end of each row: a batch is padded on the left (transformers'
+            # generate warns and continues from padding otherwise).
+            "padding_side": "left",
             "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids: the model has no segments
         }
         with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
