@@ -117,8 +117,9 @@ def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
     return config
 
 
-def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
-    """Read and check everything an export needs; writes nothing. Raises ``ConfigError`` with one line."""
+def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True, out: str = "PATH") -> ExportPlan:
+    """Read and check everything an export needs (``out``: the folder the model card's snippet loads); writes
+    nothing. Raises ``ConfigError`` with one line."""
     _needs_transformers()
     if not os.path.exists(ckpt_path):
         raise ConfigError(
@@ -157,7 +158,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     dtype = next(iter(tensors.values())).dtype
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
-    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params)
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out)
     return ExportPlan(ckpt_path, config, tensors, tok, card)
 
 
@@ -199,7 +200,7 @@ def write(plan: ExportPlan, out: str) -> None:
 def export(ckpt_path: str, out: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
     """Export checkpoint ``ckpt_path`` to folder ``out``; returns what was written."""
     check_out(out)  # before the checkpoint is read: a refused folder costs nothing
-    plan = prepare(ckpt_path, tokenizer, weights_only)
+    plan = prepare(ckpt_path, tokenizer, weights_only, out)
     write(plan, out)
     return plan
 

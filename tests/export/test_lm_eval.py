@@ -153,3 +153,18 @@ def test_lm_eval_runs_the_export_offline_with_the_models_own_scores(exported, ma
         assert np.allclose(theirs, mine, atol=1e-3), (theirs, mine)
     expected = task.accuracy(examples, score)
     assert {k: scores[f"{k},none"] for k in expected} == expected
+
+
+def test_the_eval_extra_brings_what_the_documented_tasks_need():
+    """[eval] installs lm-eval with its Hugging Face backend and its RULER extra, and both are extras the installed
+    lm-eval defines (a misspelt one would be silently ignored by pip)."""
+    from importlib.metadata import metadata
+
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["eval"]
+    spec = next(r for r in extra if r.startswith("lm-eval["))
+    named = set(spec.split("[", 1)[1].split("]", 1)[0].split(","))
+    assert {"hf", "ruler"} <= named
+    assert named <= set(metadata("lm_eval").get_all("Provides-Extra"))
