@@ -90,3 +90,18 @@ def test_the_line_after_slurms_requeue_signal_says_what_rank_0_did():
         "stopped by SIGUSR1 (SLURM's requeue signal) after step 7: its checkpoint is run/last.ckpt; SLURM job 42 "
         "requeued: it starts again and resumes from it"
     )
+
+
+def test_sigint_before_the_trainer_runs_is_one_line_and_130(monkeypatch, capsys):
+    import aah_lightning.cli as cli
+
+    def interrupted(argv):  # Ctrl-C while the command line is read and the classes are built
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "check_config_files", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        main(["fit"])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "aah: interrupted (SIGINT) before training started: nothing was saved"
+    ]
