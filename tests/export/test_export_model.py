@@ -152,11 +152,32 @@ def test_hidden_states_and_attentions_are_what_transformers_documents(exported, 
 @pytest.mark.parametrize("cache", ["static", "sliding_window"])
 def test_a_fixed_size_cache_is_refused_in_one_line(exported, make_module, cache):
     hf = load(exported(make_module(seed=7)))
+    ids = torch.tensor([[256, 100, 101]])
     with pytest.raises(ValueError) as raised:
-        hf.generate(torch.tensor([[256, 100, 101]]), max_new_tokens=3, do_sample=False, cache_implementation=cache)
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith("aah models keep their keys and values in a DynamicCache")
-    assert message.endswith("leave cache_implementation unset (or pass past_key_values=DynamicCache())")
+        hf.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=cache)
+    assert str(raised.value) == (
+        f"aah models keep their keys and values in a DynamicCache (the default): cache_implementation={cache!r} "
+        "is not supported; leave cache_implementation unset"
+    )
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match="is not supported; leave cache_implementation unset"):  # in a config too
+        hf.generate(ids, generation_config=GenerationConfig(max_new_tokens=3, cache_implementation=cache))
+    assert hf.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)  # the default still generates
+
+
+def test_a_fixed_size_cache_object_is_refused_in_one_line(exported, make_module):
+    from transformers import StaticCache
+
+    hf = load(exported(make_module(seed=7)))
+    try:
+        cache = StaticCache(config=hf.config, max_cache_len=16)
+    except TypeError:  # transformers 4.5x: batch size and device too
+        cache = StaticCache(config=hf.config, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError) as raised:
+        hf(torch.tensor([[256, 100, 101]]), past_key_values=cache)
+    assert str(raised.value).startswith("aah models keep their keys and values in a DynamicCache (the default), not")
+    assert "\n" not in str(raised.value)
 
 
 def test_config_json_carries_the_dtype(exported, make_module):

@@ -192,7 +192,8 @@ class AAHModel(AAHPreTrainedModel):
             # past its length and is masked by transformers, not by the window table.
             raise ValueError(
                 f"aah models keep their keys and values in a DynamicCache (the default), not a "
-                f"{type(cache).__name__}: leave cache_implementation unset (or pass past_key_values=DynamicCache())"
+                f"{type(cache).__name__}: pass past_key_values=DynamicCache() (or nothing), and leave "
+                f"cache_implementation unset"
             )
         past = cache.get_seq_length() if cache is not None else 0
 
@@ -260,6 +261,18 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
         except ValueError:
             self.config.windows = old
             raise
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; a fixed-size ``cache_implementation`` is refused in one line before
+        transformers builds it (each transformers version fails on it otherwise in its own way, or ignores it)."""
+        config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+        implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        if implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"aah models keep their keys and values in a DynamicCache (the default): cache_implementation="
+                f"{implementation!r} is not supported; leave cache_implementation unset"
+            )
+        return super().generate(*args, **kwargs)
 
     def forward(
         self,
