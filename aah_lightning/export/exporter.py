@@ -16,6 +16,7 @@ no half-written folder behind.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -162,6 +163,19 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     return ExportPlan(ckpt_path, config, tensors, tok, card)
 
 
+def _drop_attention_choice(path: str) -> None:
+    """Remove what building the model here decided about its attention from config.json: transformers 4.5x writes
+    ``_attn_implementation_autoset: true`` and, reading it back, then skips choosing SDPA (the default) for the
+    loaded model."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    dropped = [config.pop(key) for key in ("_attn_implementation_autoset", "_attn_implementation") if key in config]
+    if dropped:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
 def write(plan: ExportPlan, out: str) -> None:
     """Write ``plan`` to a temporary folder next to ``out``, then rename it to ``out``."""
     from safetensors.torch import save_file
@@ -174,6 +188,7 @@ def write(plan: ExportPlan, out: str) -> None:
     os.makedirs(tmp)
     try:
         plan.config.save_pretrained(tmp)
+        _drop_attention_choice(os.path.join(tmp, "config.json"))
         eod = plan.config.eos_token_id
         GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(tmp)
         weights = os.path.join(tmp, "model.safetensors")

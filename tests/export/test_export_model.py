@@ -180,6 +180,9 @@ def test_a_fixed_size_cache_object_is_refused_in_one_line(exported, make_module)
     assert "\n" not in str(raised.value)
 
 
-def test_config_json_carries_the_dtype(exported, make_module):
-    config = json.loads(open(os.path.join(exported(make_module(seed=8)), "config.json")).read())
+def test_config_json_carries_the_dtype_and_leaves_the_attention_choice_to_transformers(exported, make_module):
+    folder = exported(make_module(seed=8))
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    assert not [key for key in config if key.startswith("_attn_implementation")]
+    assert load(folder).config._attn_implementation == "sdpa"  # the default (transformers 4.50 chose eager)

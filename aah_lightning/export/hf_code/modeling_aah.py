@@ -143,6 +143,8 @@ class AAHPreTrainedModel(PreTrainedModel):
 class AAHModel(AAHPreTrainedModel):
     """The decoder without the output layer: token ids -> final hidden states (after the last LayerNorm)."""
 
+    _auto_class = "AutoModel"  # as AAHForCausalLM's
+
     def __init__(self, config: AAHConfig):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -234,6 +236,10 @@ class AAHModel(AAHPreTrainedModel):
 
 class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
     """The aah GPT with its output layer: logits over the vocabulary, from the token embedding matrix."""
+
+    # What register_for_auto_class sets: save_pretrained then copies this code into the folder it writes (transformers
+    # 4.50 does not set it when loading a folder with trust_remote_code, and saved a folder that could not load).
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: AAHConfig):
         super().__init__(config)
