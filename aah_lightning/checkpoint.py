@@ -185,8 +185,9 @@ def is_remote(path) -> bool:
 _verified: set[tuple] = set()
 
 
-def verify_checkpoint_file(path, setting: str = "ckpt_path") -> None:
-    """Raise ``ConfigError`` unless ``path`` is a readable, complete PyTorch archive with matching checksums."""
+def verify_checkpoint_file(path, setting: str = "ckpt_path", suggest: bool = True) -> None:
+    """Raise ``ConfigError`` unless ``path`` is a readable, complete PyTorch archive with matching checksums. The
+    error for a damaged file names the newest checkpoint beside it that verifies (unless ``suggest`` is False)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         hint = ", or 'last'" if setting == "ckpt_path" else ""
@@ -202,19 +203,59 @@ def verify_checkpoint_file(path, setting: str = "ckpt_path") -> None:
     if not zipfile.is_zipfile(path):
         raise ConfigError(
             f"{setting}={path!r} is truncated or not a PyTorch checkpoint ({st.st_size} bytes, no complete archive): "
-            f"use an earlier checkpoint"
+            f"{_earlier(path, suggest)}"
         )
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()  # reads every entry and checks its CRC32
     except (zipfile.BadZipFile, OSError, EOFError, zlib.error, RuntimeError) as e:
-        raise ConfigError(f"{setting}={path!r} is corrupt ({first_line(e)}): use an earlier checkpoint") from e
+        raise ConfigError(f"{setting}={path!r} is corrupt ({first_line(e)}): {_earlier(path, suggest)}") from e
     if bad is not None:
         raise ConfigError(
             f"{setting}={path!r} is corrupt: the checksum of its entry {bad!r} does not match (a damaged copy or "
-            f"disk): use an earlier checkpoint"
+            f"disk): {_earlier(path, suggest)}"
         )
     _verified.add(key)
+
+
+def checkpoint_step(path, weights_only: Optional[bool] = None) -> Optional[int]:
+    """The ``global_step`` of the checkpoint at ``path`` if it verifies (a file: complete, checksums, weights-only;
+    an FSDP2 folder: its ``.metadata`` and ``meta.pt``), else None."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        meta = os.path.join(path, "meta.pt")
+        if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(meta):
+            return None
+        path = meta
+    try:
+        checkpoint = load_checkpoint_file(path, map_location="cpu", weights_only=weights_only, mmap=True, suggest=False)
+        step = checkpoint.get(GLOBAL_STEP_KEY)
+    except (ConfigError, AttributeError):  # damaged, unsafe, or not a dict
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _earlier(path, suggest: bool) -> str:
+    return use_earlier(os.fspath(path)) if suggest else "use an earlier checkpoint"
+
+
+def use_earlier(path: str) -> str:
+    """What to do instead of loading the damaged checkpoint ``path``: the newest checkpoint in its folder (the
+    highest step) that verifies, by name."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
+    except OSError:
+        names = []
+    steps = {}
+    for name in names:
+        other = os.path.join(folder, name)
+        if os.path.abspath(other) != os.path.abspath(path) and (step := checkpoint_step(other)) is not None:
+            steps[other] = step
+    if not steps:
+        return f"use an earlier checkpoint (no other checkpoint in {folder} verifies)"
+    best = max(steps, key=lambda p: (steps[p], os.path.basename(p).startswith("last")))
+    return f"use an earlier checkpoint: the newest in that folder that verifies is {best} (step {steps[best]})"
 
 
 def _unsafe_reason(e: BaseException) -> str:
@@ -231,6 +272,7 @@ def load_checkpoint_file(
     weights_only: Optional[bool] = None,
     mmap: bool = False,
     setting: str = "ckpt_path",
+    suggest: bool = True,
 ) -> Any:
     """``torch.load`` of a verified file (``verify_checkpoint_file``). ``weights_only=None`` means True; only an
     explicit False allows arbitrary pickles. Returns what the file holds (a checkpoint: a dict)."""
@@ -240,7 +282,7 @@ def load_checkpoint_file(
 
         with get_filesystem(path).open(path, "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=safe)
-    verify_checkpoint_file(path, setting)
+    verify_checkpoint_file(path, setting, suggest)
     try:
         return torch.load(os.fspath(path), map_location=map_location, weights_only=safe, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -251,12 +293,12 @@ def load_checkpoint_file(
                 f"--weights_only false"
             ) from e
         raise ConfigError(
-            f"{setting}={os.fspath(path)!r} is corrupt ({first_line(e)}): use an earlier checkpoint"
+            f"{setting}={os.fspath(path)!r} is corrupt ({first_line(e)}): {_earlier(path, suggest)}"
         ) from e
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
         raise ConfigError(
             f"{setting}={os.fspath(path)!r} cannot be read ({type(e).__name__}: {first_line(e)}): it is corrupt or "
-            f"not a checkpoint; use an earlier one"
+            f"not a checkpoint; {_earlier(path, suggest)}"
         ) from e
 
 

@@ -10,13 +10,16 @@ saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
 import os
 import re
 import shlex
 import signal
 import sys
 import traceback
-from dataclasses import fields
+import typing
 from typing import Optional
 
 import torch
@@ -24,7 +27,7 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -33,8 +36,15 @@ from aah_lightning import validation
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
-from aah_lightning.lit.callbacks import Throughput
-from aah_lightning.lit.checkpointing import SIGTERM_EXIT_CODE, AtomicCheckpointIO, LastCheckpoint, SignalStop
+from aah_lightning.lit.callbacks import ProgressBar, Throughput
+from aah_lightning.lit.checkpointing import (
+    INTERRUPT_EXIT_CODE,
+    SIGTERM_EXIT_CODE,
+    AtomicCheckpointIO,
+    LastCheckpoint,
+    SignalStop,
+    release_folder_locks,
+)
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
@@ -70,21 +80,130 @@ def moved_setting(message: str) -> Optional[str]:
     """jsonargparse's report of an unknown ``model.<name>`` that is one of the GPT's settings (a command line or
     config of the time before ``model.gpt``) as one line saying where it is now; None for any other parse error."""
     found = _UNKNOWN_MODEL_SETTING.search(message)
-    if found is None or found.group(1) not in {f.name for f in fields(GPTConfig)}:
+    if found is None or found.group(1) not in {f.name for f in dataclasses.fields(GPTConfig)}:
         return None
     name = found.group(1)
     return f"model.{name} is now model.gpt.{name}: the GPT's settings are under model.gpt (aah fit --help)"
 
 
+def setting_names(parser) -> list[str]:
+    """Every setting a (subcommand) parser takes, dotted; the fields of dataclass settings (``model.aah``,
+    ``model.optim``: one argument each for jsonargparse) included."""
+    names = []
+
+    def add(prefix: str, hint) -> None:
+        for arg in typing.get_args(hint) or (hint,):  # Optional[X] / Union: every member
+            if dataclasses.is_dataclass(arg):
+                try:
+                    hints = typing.get_type_hints(arg)  # the fields' types, also where they are strings
+                except Exception:
+                    hints = {}
+                for f in dataclasses.fields(arg):
+                    names.append(f"{prefix}.{f.name}")
+                    add(f"{prefix}.{f.name}", hints.get(f.name))
+
+    for action in parser._actions:
+        dest = action.dest
+        if dest in ("help", "config") or dest.endswith((".help", ".config")) or dest == argparse.SUPPRESS:
+            continue
+        names.append(dest)
+        add(dest, getattr(action, "_typehint", None))
+    return list(dict.fromkeys(names))
+
+
+def _flat_keys(config, prefix: str = "") -> set[str]:
+    keys = set()
+    if isinstance(config, dict):
+        for key, value in config.items():
+            name = f"{prefix}{key}"
+            keys.add(name)
+            keys |= _flat_keys(value, f"{name}.")
+    return keys
+
+
+def setting_source(key: str, argv) -> str:
+    """The --config file that sets ``key`` last on the command line ``argv``, as 'in FILE'; '' if none does or the
+    command line itself sets it later (a later source overrides an earlier one)."""
+    where, args = "", [str(a) for a in argv] if isinstance(argv, (list, tuple)) else []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args) or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+            if os.path.isfile(path):
+                try:
+                    config = read_yaml(path, "--config")
+                except ConfigError:
+                    continue
+                if key in _flat_keys(config):
+                    where = f"in {path}"
+        elif arg.startswith("--") and arg[2:].split("=", 1)[0] == key:
+            where = ""
+    return where
+
+
+_UNKNOWN_SETTING = re.compile(r"unrecognized arguments: (\S+)|does not accept option '([^']+)'")
+_UNKNOWN_FIELD = re.compile(r"Option '([^']+)' is not accepted")  # a field a dataclass setting lacks
+_EXPECTED = re.compile(r"Expected a <class '(?:[\w.]+\.)?(\w+)'>")
+_GIVEN = re.compile(r"(?:Got|Given) value: (.*)")
+
+
+def _subcommand_parser(parser, argv):
+    """The parser of the subcommand being run (errors in config files are reported by the root parser)."""
+    name = str(argv[0]) if isinstance(argv, (list, tuple)) and argv else ""
+    subcommands = getattr(parser, "_subcommands_action", None)
+    if subcommands is not None and name in subcommands._name_parser_map:
+        return name, subcommands._name_parser_map[name]
+    return (parser.prog.split()[-1] if parser.prog else ""), parser
+
+
+def parse_error(message: str, parser, argv) -> str:
+    """jsonargparse's report of a command line or config it cannot parse (an unknown setting, a value of the wrong
+    type, a value outside a setting's choices, anything else) as one line naming the setting, where it was set and,
+    for an unknown one, the nearest valid setting; without the usage (``--help`` prints that)."""
+    subcommand, parser = _subcommand_parser(parser, argv)
+    listed = f"aah {subcommand} --help lists every setting"
+    line = moved_setting(message)
+    if line is not None:
+        return line
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    unknown, field = _UNKNOWN_SETTING.search(message), _UNKNOWN_FIELD.search(message)
+    if unknown is not None or field is not None:
+        if unknown is not None:
+            key = (unknown.group(1) or unknown.group(2)).lstrip("-").split("=", 1)[0]
+        else:
+            key = ".".join([*keys[: 1 if keys else 0], field.group(1)])
+        given = [
+            str(a)[2:].split("=", 1)[0]
+            for a in (argv if isinstance(argv, (list, tuple)) else ())
+            if str(a).startswith("--")
+        ]
+        key = next((g for g in given if g.endswith(f".{key}")), key)  # jsonargparse cuts nested dataclass keys
+        where = setting_source(key, argv)
+        near = difflib.get_close_matches(key, setting_names(parser), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}? ({listed})" if near else listed
+        return f"{key}{f' (set {where})' if where else ''} is not a setting of aah {subcommand}: {hint}"
+    key = ".".join(keys)
+    where = f" (set {w})" if keys and (w := setting_source(key, argv)) else ""
+    line = choice_error(message)
+    if line is not None:
+        return line.replace(" is not allowed:", f"{where} is not allowed:", 1)
+    given = _GIVEN.search(message)
+    if keys and given is not None and _EXPECTED.search(message):
+        types = list(
+            dict.fromkeys(t if t != "NoneType" else "null" for t in _EXPECTED.findall(message[: given.start()]))
+        )
+        return f"{key}={given.group(1).strip()!r}{where} is not allowed: a value of type {' or '.join(types)}"
+    return f"{' '.join(message.split())} ({listed})"
+
+
 class _ArgumentParser(LightningArgumentParser):
-    """Lightning's parser; a value outside a setting's choices, or a GPT setting given where it was before model.gpt,
-    is one error line, like every other bad setting."""
+    """Lightning's parser; every parse error is one line (``parse_error``), like every other bad setting."""
+
+    argv = None  # the command line being parsed (set by AAHCLI.parse_arguments): where a bad setting came from
 
     def error(self, message: str, ex: Optional[Exception] = None):
-        line = choice_error(message) or moved_setting(message)
-        if line is None or not self.exit_on_error:
+        if not self.exit_on_error:
             return super().error(message, ex)
-        print(f"aah: error: {line}", file=sys.stderr)
+        print(f"aah: error: {parse_error(message, self, _ArgumentParser.argv)}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -93,6 +212,10 @@ class AAHCLI(LightningCLI):
         parser = _ArgumentParser(**kwargs)
         parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file (yaml).")
         return parser
+
+    def parse_arguments(self, parser, args) -> None:
+        _ArgumentParser.argv = sys.argv[1:] if args is None else args
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.gpt.seq_len")
@@ -111,6 +234,7 @@ class AAHCLI(LightningCLI):
                 "best_checkpoint.mode": "min",
                 "best_checkpoint.save_top_k": 1,
                 "best_checkpoint.save_last": False,
+                "best_checkpoint.enable_version_counter": False,  # the same step's best is the same file
             }
         )
         parser.add_lightning_class_args(Throughput, "throughput")
@@ -160,7 +284,7 @@ class AAHCLI(LightningCLI):
         if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins.append(SLURMEnvironment(auto_requeue=False))
         try:
-            return super().instantiate_trainer(plugins=plugins, **kwargs)
+            trainer = super().instantiate_trainer(plugins=plugins, **kwargs)
         except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
             # What check_devices cannot foresee (strategies, num_nodes, device combinations): Lightning's first line.
             if not any(f.filename.endswith("accelerator_connector.py") for f in traceback.extract_tb(e.__traceback__)):
@@ -168,6 +292,11 @@ class AAHCLI(LightningCLI):
             t = config["trainer"]
             given = ", ".join(f"trainer.{k}={t.get(k)!r}" for k in ("accelerator", "devices", "strategy", "num_nodes"))
             raise ConfigError(f"{given} cannot be used on this machine: {first_line(e)}") from e
+        default_bar = vars(RichProgressBar())
+        for i, callback in enumerate(trainer.callbacks):  # Lightning's default bar (not one the config configured)
+            if type(callback) is RichProgressBar and vars(callback) == default_bar:
+                trainer.callbacks[i] = ProgressBar()
+        return trainer
 
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
@@ -245,7 +374,7 @@ def check_config_files(argv) -> None:
 
 
 def sigterm_report(stop: SIGTERMException, argv) -> str:
-    """What happened and how to go on, after SIGTERM (or SLURM's requeue signal) ended a run."""
+    """What happened and how to go on, after SIGTERM, SIGINT (or SLURM's requeue signal) ended a run."""
     if not isinstance(stop, SignalStop):  # Lightning's: the signal came before the first training step
         return (
             "stopped by SIGTERM before this run finished a training step: nothing was saved (an earlier last.ckpt is "
@@ -263,12 +392,13 @@ def sigterm_report(stop: SIGTERMException, argv) -> str:
                 continue
             kept.append(arg)
         command = shlex.join(["aah", "fit", *kept, "--ckpt_path", "last"])
+    name = signal.Signals(stop.signum).name
     if stop.requeue is not None:
         return (
-            f"stopped by {signal.Signals(stop.signum).name} (SLURM's requeue signal) after step {stop.step}: its "
-            f"checkpoint is {stop.path}; {stop.requeue}"
+            f"stopped by {name} (SLURM's requeue signal) after step {stop.step}: its checkpoint is {stop.path}; "
+            f"{stop.requeue}"
         )
-    return f"stopped by SIGTERM after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
+    return f"stopped by {name} after step {stop.step}: its checkpoint is {stop.path}; resume with: {command}"
 
 
 def main(args=None) -> None:
@@ -303,7 +433,11 @@ def main(args=None) -> None:
         if rank_zero_only.rank == 0:
             print(f"aah: {sigterm_report(e, argv)}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SignalStop) else SIGTERM_EXIT_CODE)
+    except KeyboardInterrupt:  # Ctrl-C before the Trainer ran (parsing, building the classes): nothing to save
+        print("aah: interrupted (SIGINT) before training started: nothing was saved", file=sys.stderr)
+        sys.exit(INTERRUPT_EXIT_CODE)
     finally:
+        release_folder_locks()
         shutdown_process_group()
 
 

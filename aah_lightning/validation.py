@@ -10,13 +10,20 @@ Trainer directly gets the same errors (those two live lower down, where the modu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from aah_lightning.checkpoint import DATAMODULE_STATE_KEY, LOG_FOLDER_KEY, check_matches, read_checkpoint
+from aah_lightning.checkpoint import (
+    DATAMODULE_STATE_KEY,
+    LOG_FOLDER_KEY,
+    check_matches,
+    checkpoint_step,
+    read_checkpoint,
+)
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import cuda_count, writable_folder
 from aah_lightning.lit.checkpointing import LastCheckpoint
@@ -26,9 +33,10 @@ from aah_lightning.lit.checks import check_run
 _LIGHTNING_KEYWORDS = ("best", "hpc", "registry")
 
 
-def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
-    """The file ``--ckpt_path`` names: ``last`` becomes the newest last*.ckpt, exactly as Lightning would choose,
-    but finding none is an error here (Lightning only warns and silently starts from scratch)."""
+def resolve_ckpt_path(trainer, ckpt_path: Optional[str], weights_only: Optional[bool] = None) -> Optional[str]:
+    """The file ``--ckpt_path`` names. ``last`` becomes the last*.ckpt of the highest step that verifies (never the
+    newest by modification time, which a copy or a ``touch`` changes); finding none is an error here (Lightning only
+    warns and silently starts from scratch), and a damaged one beside a good one is skipped with a warning."""
     if not ckpt_path or ckpt_path in _LIGHTNING_KEYWORDS or "://" in str(ckpt_path):
         return ckpt_path
     if ckpt_path != "last":
@@ -42,8 +50,7 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
             folders.append(cb.dirpath or "the logger's new version folder (checkpoint.dirpath is not set)")
         elif isinstance(cb, OnExceptionCheckpoint):
             candidates.add(cb.ckpt_path)
-    written = {p: _written(p) for p in candidates if p}
-    found = [p for p, t in written.items() if t is not None]
+    found = sorted(p for p in candidates if p and _written(p) is not None)
     if not found:
         where = (
             ", ".join(dict.fromkeys(str(f) for f in folders)) or "no checkpoint folder (no ModelCheckpoint callback)"
@@ -52,7 +59,16 @@ def resolve_ckpt_path(trainer, ckpt_path: Optional[str]) -> Optional[str]:
             f"ckpt_path='last' but there is no last checkpoint in {where}: omit --ckpt_path to start a new run, or "
             f"pass a checkpoint file"
         )
-    return max(found, key=written.get)
+    steps = {p: checkpoint_step(p, weights_only) for p in found}
+    good = [p for p in found if steps[p] is not None]
+    if not good:  # the one-line error of the newest damaged file, which names what verifies beside it
+        newest = max(found, key=_written)
+        read_checkpoint(newest, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
+        raise ConfigError(f"ckpt_path='last' is {newest}, which holds no global_step: not a checkpoint of aah fit")
+    damaged = [p for p in found if steps[p] is None]
+    if damaged:
+        rank_zero_warn(f"ckpt_path='last': skipping {', '.join(damaged)}: it does not verify (damaged or partial)")
+    return max(good, key=lambda p: (steps[p], _written(p)))
 
 
 def _last_checkpoints(cb: ModelCheckpoint) -> set[str]:
@@ -213,19 +229,60 @@ def check_devices(accelerator, devices) -> None:
         raise ConfigError(f"trainer.devices={devices!r} is not allowed {where}: an Apple GPU is one device (1)")
 
 
+# A model whose embeddings outweigh the rest this many times over is rarely what a recall run means to train.
+EMBEDDING_WARN_RATIO = 10
+
+
+def warn_questionable(module, datamodule) -> None:
+    """One warning line per setting that is legal but probably not meant: controller settings under a policy that
+    reads none of them; a recall vocabulary (``data.recall_keys``, ``data.recall_values``) that makes the embeddings
+    many times the rest of the model."""
+    aah = getattr(module, "aah_config", None)
+    if aah is not None and aah.policy != "adaptive":
+        default = type(aah.controller)()
+        changed = [
+            f"model.aah.controller.{f.name}={getattr(aah.controller, f.name)!r}"
+            for f in dataclasses.fields(aah.controller)
+            if getattr(aah.controller, f.name) != getattr(default, f.name)
+        ]
+        if changed:
+            rank_zero_warn(
+                f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with "
+                f"model.aah.policy={aah.policy!r}: only the adaptive policy reads model.aah.controller"
+            )
+    hp = getattr(datamodule, "hparams", {})
+    if hp.get("source") == "recall" or hp.get("recall_fraction", 0) > 0:
+        gpt = module.gpt_config
+        embeddings = gpt.vocab_size * gpt.n_embd  # the input embedding, tied to the output head
+        total = sum(p.numel() for p in module.parameters())
+        rest = max(total - embeddings, 1)
+        if embeddings > EMBEDDING_WARN_RATIO * rest:
+            rank_zero_warn(
+                f"data.recall_keys={hp.get('recall_keys')} (with data.recall_values={hp.get('recall_values')}) makes a "
+                f"vocabulary of {gpt.vocab_size} tokens: the embeddings hold {embeddings / 1e6:.1f} M of the model's "
+                f"{total / 1e6:.1f} M parameters, {embeddings / rest:.0f} times the rest; fewer keys train faster"
+            )
+
+
 def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
     """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
+    if stage == "fit":
+        warn_questionable(module, datamodule)
     if stage == "fit":
         if hasattr(datamodule, "resolve_accumulation"):  # data.global_batch_size sets the accumulation
             datamodule.resolve_accumulation(trainer)
         check_schedule(trainer)
         check_checkpoint_folders(trainer)
-    path = resolve_ckpt_path(trainer, ckpt_path)
+    path = resolve_ckpt_path(trainer, ckpt_path, weights_only)
     if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
         check_checkpoint(path, module, weights_only)
         if stage == "fit" and hasattr(datamodule, "check_resume"):
             saved = _saved_entry(path, DATAMODULE_STATE_KEY, weights_only)
             if saved and "layout" in saved:
                 datamodule.check_resume(saved["layout"], trainer)
+    if stage == "fit":  # last: a run refused by a check above holds no lock
+        for cb in trainer.callbacks:
+            if isinstance(cb, LastCheckpoint):
+                cb.lock_folder(trainer, create=False)
     return path

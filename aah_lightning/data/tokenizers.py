@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import urllib.parse
 
 import numpy as np
 
@@ -58,16 +60,10 @@ class HFTokenizer:
                     f"{setting}={spec!r} is not a Hugging Face tokenizer.json ({reason}): pass a tokenizer.json "
                     f"(UTF-8 JSON) saved by the tokenizers library, or 'byte'"
                 ) from None
-        elif os.path.sep in spec and not os.path.exists(spec):
+        elif _looks_like_path(spec):
             raise ConfigError(f"{setting}={spec!r}: no such file or folder (expected a tokenizer.json)")
         else:
-            try:
-                self.tok = Tokenizer.from_pretrained(spec)
-            except Exception as e:
-                raise ConfigError(
-                    f"{setting}={spec!r} could not be loaded from the Hugging Face hub ({type(e).__name__}); "
-                    f"pass a local tokenizer.json path, or 'byte'"
-                ) from e
+            self.tok = Tokenizer.from_file(_hub_tokenizer_file(spec, setting))
         vocab = self.tok.get_vocab()
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
         self.vocab_size = self.tok.get_vocab_size()
@@ -95,6 +91,52 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A file or folder name, not a hub repository id (``name`` or ``owner/name``)."""
+    return spec.startswith((".", os.path.sep, "~")) or spec.endswith(".json") or spec.count("/") > 1 or "\\" in spec
+
+
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub (or to the HTTPS proxy that reaches it) opens within ``timeout``."""
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urllib.parse.urlparse(proxy if proxy else endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_tokenizer_file(spec: str, setting: str) -> str:
+    """The tokenizer.json of hub repository ``spec``: from the local Hugging Face cache, else downloaded. Offline
+    (``HF_HUB_OFFLINE``) or with the hub out of reach, one line at once instead of minutes of retries."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return hf_hub_download(spec, "tokenizer.json", local_files_only=True)
+    except Exception:  # not in the cache (or not a repository name): ask the hub
+        pass
+    fix = "pass a local tokenizer.json file or folder, or 'byte'"
+    if "/" in spec:  # also a relative path that does not exist
+        fix = f"no file or folder {spec!r} exists either; {fix}"
+    # The environment as it is now, too: huggingface_hub reads it once, when it is first imported.
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise ConfigError(f"{setting}={spec!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}")
+    if not _hub_reachable(constants.ENDPOINT):
+        raise ConfigError(
+            f"{setting}={spec!r} is not in the local Hugging Face cache and the hub ({constants.ENDPOINT}) cannot be "
+            f"reached from this machine: {fix}"
+        )
+    try:
+        return hf_hub_download(spec, "tokenizer.json")
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{setting}={spec!r} could not be loaded from the Hugging Face hub ({type(e).__name__}: {reason}): {fix}"
+        ) from None
 
 
 def token_byte_lengths(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:

@@ -16,6 +16,7 @@ no half-written folder behind.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -69,6 +70,8 @@ def check_out(out: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     existing = parent
     while not os.path.isdir(existing):
+        if os.path.exists(existing):  # a file where a folder above out would have to be
+            raise ConfigError(f"--out={out!r} cannot be created: {existing} is a file, not a folder")
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out={out!r} cannot be created: {existing} is not writable")
@@ -115,8 +118,9 @@ def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
     return config
 
 
-def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
-    """Read and check everything an export needs; writes nothing. Raises ``ConfigError`` with one line."""
+def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True, out: str = "PATH") -> ExportPlan:
+    """Read and check everything an export needs (``out``: the folder the model card's snippet loads); writes
+    nothing. Raises ``ConfigError`` with one line."""
     _needs_transformers()
     if not os.path.exists(ckpt_path):
         raise ConfigError(
@@ -130,7 +134,8 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
 
     tok = None
     if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
-        tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size)
+        setting = "--tokenizer" if tokenizer is not None else "data.tokenizer"  # the one the user gave
+        tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size, setting)
     eod_id = tok.eod_id if tok is not None else gpt.vocab_size - 1  # synthetic: the id after the symbols
     config = hf_config(gpt, windows, eod_id)
 
@@ -150,9 +155,25 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
             f"{loaded.missing_keys[:3]}, unexpected {loaded.unexpected_keys[:3]})"
         )
     tensors = {k: v.detach().contiguous() for k, v in weights.items()}  # the rebuilt GPT's own tensors: no copy
+    # The weights' dtype in config.json ("dtype"; "torch_dtype" before transformers 4.56), as transformers writes it.
+    dtype = next(iter(tensors.values())).dtype
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
-    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params)
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out)
     return ExportPlan(ckpt_path, config, tensors, tok, card)
+
+
+def _drop_attention_choice(path: str) -> None:
+    """Remove what building the model here decided about its attention from config.json: transformers 4.5x writes
+    ``_attn_implementation_autoset: true`` and, reading it back, then skips choosing SDPA (the default) for the
+    loaded model."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    dropped = [config.pop(key) for key in ("_attn_implementation_autoset", "_attn_implementation") if key in config]
+    if dropped:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
 
 def write(plan: ExportPlan, out: str) -> None:
@@ -167,6 +188,7 @@ def write(plan: ExportPlan, out: str) -> None:
     os.makedirs(tmp)
     try:
         plan.config.save_pretrained(tmp)
+        _drop_attention_choice(os.path.join(tmp, "config.json"))
         eod = plan.config.eos_token_id
         GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(tmp)
         weights = os.path.join(tmp, "model.safetensors")
@@ -193,7 +215,7 @@ def write(plan: ExportPlan, out: str) -> None:
 def export(ckpt_path: str, out: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
     """Export checkpoint ``ckpt_path`` to folder ``out``; returns what was written."""
     check_out(out)  # before the checkpoint is read: a refused folder costs nothing
-    plan = prepare(ckpt_path, tokenizer, weights_only)
+    plan = prepare(ckpt_path, tokenizer, weights_only, out)
     write(plan, out)
     return plan
 

@@ -8,9 +8,11 @@ from collections import Counter
 
 import torch
 
-from aah_lightning.checkpoint import GLOBAL_STEP_KEY, hyperparameters
+from aah_lightning.checkpoint import CALLBACKS_KEY, DATAMODULE_STATE_KEY, GLOBAL_STEP_KEY, hyperparameters
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows import metrics
+
+LICENSE = "apache-2.0"  # aah's (pyproject.toml), which the modeling code in the folder is under
 
 # Data settings worth a reader's time (the rest are paths, worker counts and cache folders).
 _DATA_KEYS = ("source", "tokenizer", "seq_len", "batch_size", "paths", "path", "hub_name", "hub_config", "seed")
@@ -40,8 +42,63 @@ def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
     return lines
 
 
-def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, tok, data: dict, params: int) -> str:
-    """The card's markdown; ``params``: the exported model's parameter count."""
+def best_scores(ckpt: dict) -> dict[str, float]:
+    """The best value of each metric a ModelCheckpoint monitored in this run (``best_checkpoint``: val/loss)."""
+    scores = {}
+    for state in (ckpt.get(CALLBACKS_KEY) or {}).values():
+        if isinstance(state, dict) and state.get("monitor") and state.get("best_model_score") is not None:
+            scores[state["monitor"]] = float(state["best_model_score"])
+    return scores
+
+
+def tokens_seen(ckpt: dict, seq_len: int) -> int | None:
+    """Training tokens: optimizer steps x global batch x T, when the checkpoint records the data layout."""
+    layout = (ckpt.get(DATAMODULE_STATE_KEY) or {}).get("layout")
+    step = ckpt.get(GLOBAL_STEP_KEY)
+    if not layout or step is None:
+        return None
+    return int(step) * layout["batch_size"] * layout["world_size"] * layout["accumulate_grad_batches"] * seq_len
+
+
+def snippet(path: str, tok) -> list[str]:
+    """Loading and greedy generation, runnable as written on transformers 4.5x and 5.x (``trust_remote_code`` for the
+    tokenizer too: transformers 5 otherwise asks on the terminal, because the folder's config.json names custom
+    code)."""
+    lines = [
+        "```python",
+        *(["import torch"] if tok is None else []),
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"model = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code=True)",
+    ]
+    if tok is None:
+        lines += [
+            "ids = torch.tensor([[0, 1, 2]])  # no tokenizer (synthetic data): token ids",
+            "out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)",
+            "print(out[0].tolist())",
+        ]
+    else:
+        lines += [
+            f"tokenizer = AutoTokenizer.from_pretrained({path!r}, trust_remote_code=True)",
+            'inputs = tokenizer("def fib(", return_tensors="pt")  # starts with the end-of-document token',
+            "out = model.generate(**inputs, max_new_tokens=64, do_sample=False)",
+            "print(tokenizer.decode(out[0], skip_special_tokens=True))",
+        ]
+    return [*lines, "```"]
+
+
+def render(
+    ckpt_path: str,
+    ckpt: dict,
+    gpt: GPTConfig,
+    windows: torch.Tensor,
+    tok,
+    data: dict,
+    params: int,
+    path: str = "PATH",
+) -> str:
+    """The card's markdown; ``params``: the exported model's parameter count; ``path``: the export folder, as the
+    snippet loads it."""
     training = {"model": hyperparameters(ckpt), "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
     step = ckpt.get(GLOBAL_STEP_KEY)
     tokenizer = (
@@ -49,8 +106,16 @@ def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, to
         if tok is None
         else f"`{tok.spec}`; end-of-document token `{tok.eod}` = id {tok.eod_id}"
     )
+    source = data.get("source", "?")
+    where = data.get("hub_name") or data.get("paths") or data.get("path")
+    seen = tokens_seen(ckpt, gpt.seq_len)
+    scores = best_scores(ckpt)
+    metric_lines = [f"- best `{name}` during training: **{value:.4f}**" for name, value in sorted(scores.items())]
+    if not metric_lines:
+        metric_lines = ["- no validation metric is recorded in the checkpoint"]
     lines = [
         "---",
+        f"license: {LICENSE}",
         "library_name: transformers",
         "pipeline_tag: text-generation",
         "tags: [aah, custom_code, per-head-attention-windows]",
@@ -66,6 +131,17 @@ def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, to
         f"- about {params / 1e6:.2f} M parameters; trained sequence length T = {gpt.seq_len} "
         f"(`max_position_embeddings`); vocabulary {gpt.vocab_size}",
         f"- tokenizer: {tokenizer}",
+        f"- license: {LICENSE} (aah's and the modeling code's); the weights also carry the terms of their training "
+        "data",
+        "",
+        "## Training data",
+        "",
+        f"- `data.source: {source}`" + (f" ({where})" if where else ""),
+        f"- {seen:,} training tokens ({step} optimizer steps)" if seen is not None else "- training tokens: unknown",
+        "",
+        "## Metrics",
+        "",
+        *metric_lines,
         "",
         "## Window table",
         "",
@@ -73,26 +149,27 @@ def render(ckpt_path: str, ckpt: dict, gpt: GPTConfig, windows: torch.Tensor, to
         "",
         "## Load",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        *snippet(path, tok),
         "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
-        'ids = tokenizer("def fib(", return_tensors="pt").input_ids  # starts with the end-of-document token',
-        "out = model.generate(ids, max_new_tokens=64, do_sample=False)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "```",
+        "Evaluate with lm-evaluation-harness: `lm_eval --model hf --model_args "
+        f"pretrained={path},trust_remote_code=True --tasks <task>`; for rolling log-likelihood (perplexity) tasks "
+        "such as `wikitext`, add `add_bos_token=False` to the model args: the harness puts the end-of-document token "
+        "before each document itself, and with the tokenizer's own it would score that token once more per document.",
         "",
-        "Evaluate with lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True "
-        "--tasks <task>`.",
+        "## Limitations",
         "",
-        "## Notes",
-        "",
+        "- A research model of aah's experiments: small, trained briefly on the data above, not instruction-tuned or "
+        "safety-tuned; it continues text and makes things up.",
         "- The tokenizer puts the end-of-document token first when it adds special tokens (the default): the model was "
         "trained on documents that each follow one. `add_special_tokens=False` gives the text's plain tokens.",
-        "- The key/value cache keeps every past position (the windows are applied by the mask), so it uses as much "
-        "memory as a model without windows.",
-        "- Beyond T tokens the table still holds: heads with W = T slide at T.",
+        "- The key/value cache keeps every past position in a `DynamicCache` (the windows are applied by the mask), so "
+        'it uses as much memory as a model without windows; fixed-size caches (`cache_implementation="static"`, '
+        '`"sliding_window"`) are refused.',
+        f"- Prompts longer than T = {gpt.seq_len}: this model reads them whole (the table still holds past T: heads "
+        f"with W = T slide at T), while aah's own generation keeps their last T tokens. For aah's behaviour, pass "
+        f"`ids[:, -{gpt.seq_len}:]`.",
+        "- `attn_implementation` is `sdpa` (default) or `eager`; `output_attentions=True` computes the weights the "
+        "eager way.",
     ]
     if gpt.document_mask:
         lines.append(

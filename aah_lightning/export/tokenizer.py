@@ -86,6 +86,9 @@ class TokenizerExport:
             "clean_up_tokenization_spaces": False,
             "split_special_tokens": self.split_special_tokens,
             "model_max_length": model_max_length,
+            # A decoder-only model continues the end of each row: a batch is padded on the left (transformers'
+            # generate warns and continues from padding otherwise).
+            "padding_side": "left",
             "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids: the model has no segments
         }
         with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
@@ -93,13 +96,14 @@ class TokenizerExport:
             f.write("\n")
 
 
-def prepare_tokenizer(spec: str, model_vocab: int) -> TokenizerExport:
+def prepare_tokenizer(spec: str, model_vocab: int, setting: str = "--tokenizer") -> TokenizerExport:
     """The export of aah tokenizer ``spec`` (``byte``, or what ``data.tokenizer`` names) for a model with
-    ``model_vocab`` ids. Raises ``ConfigError`` if it cannot be loaded or has more ids than the model."""
-    theirs = load_tokenizer(spec)  # ConfigError: a missing file, a hub name without network
+    ``model_vocab`` ids. Raises ``ConfigError``, naming ``setting`` (where ``spec`` came from), if it cannot be
+    loaded or has more ids than the model."""
+    theirs = load_tokenizer(spec, setting)  # ConfigError: a missing file, a hub name without network
     if theirs.vocab_size > model_vocab:
         raise ConfigError(
-            f"--tokenizer {spec!r} has {theirs.vocab_size} ids, the checkpoint's model {model_vocab}: use the "
+            f"{setting}={spec!r} has {theirs.vocab_size} ids, the checkpoint's model {model_vocab}: use the "
             f"tokenizer the model was trained with"
         )
     if isinstance(theirs, ByteTokenizer):

@@ -1,5 +1,5 @@
 """Callbacks that observe training: throughput / MFU here, window diagnostics in lit/diagnostics.py (tags:
-docs/tensorboard.md).
+docs/tensorboard.md), and the progress bar.
 
 Nothing here syncs with the device on the training hot path. The window table is read from the attention planner's
 host mirror (read back only when the table changed, which the forward has already done); everything else runs at
@@ -14,6 +14,7 @@ from typing import Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -151,3 +152,13 @@ class Throughput(L.Callback):
 
     def on_validation_start(self, trainer, pl_module):
         self._t0, self._tokens, self._flops, self._steps = None, 0, 0, 0  # restart the window after validation
+
+
+class ProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, whose description of a run without an epoch limit (``max_epochs`` -1: a run
+    bounded by ``max_steps``) is "Epoch 3", not "Epoch 3/-2"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        limit = self.trainer.max_epochs
+        description = f"Epoch {current_epoch}" + (f"/{limit - 1}" if limit is not None and limit >= 0 else "")
+        return f"{description:{len(self.validation_description)}}"  # padded as Lightning pads it: no flicker

@@ -13,7 +13,8 @@ Stopping on SIGTERM (``LastCheckpoint``): a preemption, ``scontrol requeue``, ``
 SIGTERM. Every rank finishes the optimizer step it is in (the whole accumulation window), the ranks agree at that step
 boundary (``reduce_boolean_decision``: one rank's signal is enough), ``last.ckpt`` of that step is written (atomically,
 as every checkpoint) and ``SignalStop`` ends the run; the CLI says so in one line and exits with 143. SLURM's requeue
-signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once.
+signal (USR1) reaching the tasks does the same, and rank 0 then requeues the job once. SIGINT (Ctrl-C) too, with exit
+code 130; a second SIGINT ends the process at once.
 
 Loading: ``AtomicCheckpointIO.load_checkpoint`` goes through ``aah_lightning.checkpoint.load_checkpoint_file``: the file
 must be a complete PyTorch archive whose CRC32 checksums match, and it is unpickled with ``weights_only=True`` unless
@@ -24,30 +25,40 @@ keys and its reader for everything outside the Trainer (``read_checkpoint``, ``l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
-from aah_lightning.errors import CheckpointWriteError
+from aah_lightning.errors import CheckpointWriteError, ConfigError, require
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
+
+
+def _partial_name() -> str:
+    return f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _fsync_dir(folder: str) -> None:
@@ -93,13 +104,65 @@ def remove_stale_partials(folder: str) -> list[str]:
     return removed
 
 
+def _nbytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists, tuples): about what ``torch.save`` writes for it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes() if obj.device.type != "meta" else 0
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# torch.save reports a failed write of its archive as a RuntimeError without an errno (torch 2.13: "[enforce fail at
+# inline_container.cc:...] . unexpected pos 704 vs 598"; earlier: "PytorchStreamWriter failed writing file ...").
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+
+
+_FULL_SLACK = 16 * 2**20
+
+
+def _write_error(e: BaseException, path: str, folder: str, needed: int, written: int) -> Optional[CheckpointWriteError]:
+    """``e`` (raised while ``path`` was written) as one line, if it is a failed write; None otherwise. A full disk
+    (ENOSPC or a quota, or torch's errno-less write failure with less room left than the rest of the file) names the
+    folder, the space the checkpoint needs and what is free."""
+    torch_write = isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILED)
+    if not isinstance(e, OSError) and not torch_write:
+        return None
+    try:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        free = None
+    # A failed write leaves up to a buffer's worth of room unused: some slack over the rest of the file.
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        torch_write and free is not None and free < needed - written + _FULL_SLACK
+    )
+    if full:
+        room = f", {_mib(free)} free" if free is not None else ""
+        return CheckpointWriteError(
+            f"could not write checkpoint {path}: no space left in {folder} (the checkpoint needs about "
+            f"{_mib(needed)}{room}); the previous checkpoint there (if any) is intact: free space there, or set "
+            f"checkpoint.dirpath to a folder with room"
+        )
+    reason = e.strerror or e if isinstance(e, OSError) else str(e).strip().splitlines()[0]
+    return CheckpointWriteError(
+        f"could not write checkpoint {path}: {reason}; the previous checkpoint there (if any) is intact"
+    )
+
+
 def atomic_torch_save(obj: Any, path) -> None:
     """``torch.save(obj, path)`` such that ``path`` is never seen half-written, even after a SIGKILL."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     remove_stale_partials(folder)
-    tmp = os.path.join(folder, f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(folder, _partial_name())
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -107,15 +170,157 @@ def atomic_torch_save(obj: Any, path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {e.strerror or e}; the previous checkpoint there (if any) is "
-                f"intact"
-            ) from e
+        needed = max(_nbytes(obj), os.path.getsize(path) if os.path.isfile(path) else 0)  # the previous one's size
+        error = _write_error(e, path, folder, needed, written)
+        if error is not None:
+            raise error from e
         raise
     _fsync_dir(folder)
+
+
+LOCK_NAME = ".aah-lock"  # hidden, not *.ckpt: no checkpoint search ever sees it
+
+
+class FolderLock:
+    """One run per checkpoint folder: ``<folder>/.aah-lock`` holds the writer's host, PID and start time.
+
+    ``acquire`` creates it atomically (``os.link`` of a complete file: it exists whole or not at all) or refuses, in
+    one line naming the run that holds it. A lock is stale - its run was killed - when its host is this one and its
+    PID is not running, or when its heartbeat is older than ``STALE_AFTER_S`` (another host: a daemon thread of the
+    holder touches the file every ``HEARTBEAT_S``); a stale lock is taken over with a warning. ``held`` says whether
+    the file is still this lock (a run that was stopped with SIGSTOP past the stale limit may have lost it).
+    """
+
+    HEARTBEAT_S = 30.0
+    STALE_AFTER_S = 300.0
+
+    def __init__(self, folder: str, setting: str = "checkpoint.dirpath"):
+        self.folder, self.setting = os.path.abspath(folder), setting
+        self.path = os.path.join(self.folder, LOCK_NAME)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "id": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _holder(self) -> Optional[dict]:
+        """The lock's record and ``age`` (seconds since its last heartbeat); None if there is no lock."""
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+            with open(self.path) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # not a record of ours (it is created whole): stale only by its age
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        return {"host": "?", "pid": "?", "started": 0, "id": None, **holder, "age": age}
+
+    def _create(self, tmp: str) -> bool:
+        """Make the lock, atomically; False if there is one already."""
+        try:
+            os.link(tmp, self.path)  # the complete record appears at once
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: exclusive creation, then the record
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record, f)
+            return True
+
+    def _stale(self, holder: dict) -> bool:
+        if holder["age"] > self.STALE_AFTER_S:
+            return True
+        return (
+            holder.get("host") == socket.gethostname()
+            and isinstance(holder.get("pid"), int)
+            and not _pid_alive(holder["pid"])
+        )
+
+    def acquire(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = os.path.join(self.folder, _partial_name())
+        with open(tmp, "w") as f:
+            json.dump(self.record, f)
+        try:
+            for _ in range(3):  # a lock that disappears or turns stale between two looks: look again
+                if self._create(tmp):
+                    break
+                holder = self._holder()
+                if holder is None:
+                    continue
+                if holder.get("id") == self.record["id"]:
+                    break
+                if not self._stale(holder):
+                    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
+                    raise ConfigError(
+                        f"{self.setting}={self.folder!r} is in use by another run: PID {holder.get('pid')} on host "
+                        f"{holder.get('host')} (started {started}, alive {holder['age']:.0f} s ago); wait for it to "
+                        f"end, stop it, or give this run another {self.setting}"
+                    )
+                # Set the stale lock aside under a name of our own; only one of two runs racing for it succeeds.
+                aside = os.path.join(self.folder, _partial_name())
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path, aside)
+                    with contextlib.suppress(OSError):
+                        os.remove(aside)
+                    rank_zero_warn(
+                        f"{self.setting}={self.folder!r}: took over the lock of PID {holder.get('pid')} on host "
+                        f"{holder.get('host')}, which is no longer running (no heartbeat for {holder['age']:.0f} s or "
+                        f"no such process)"
+                    )
+            else:
+                raise ConfigError(f"{self.setting}={self.folder!r}: could not take its lock {self.path}")
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="aah-lock-heartbeat", daemon=True)
+        self._thread.start()
+        _HELD.add(self)
+        atexit.register(self.release)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def held(self) -> bool:
+        holder = self._holder()
+        return holder is not None and holder.get("id") == self.record["id"]
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.held():
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        _HELD.discard(self)
+        atexit.unregister(self.release)
+
+
+_HELD: set[FolderLock] = set()  # the locks this process holds
+
+
+def release_folder_locks() -> None:
+    """Release every checkpoint-folder lock this process holds (the CLI, when a command ends in any way)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
+def _first_process(trainer) -> bool:
+    """Whether this is the run's global rank 0, also before the Trainer has set its ranks: processes started by
+    torchrun or SLURM know theirs from the environment, those Lightning starts from their node and local rank."""
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if environment is None:
+        return trainer.is_global_zero
+    if isinstance(environment, LightningEnvironment):  # its global rank is only set once the Trainer runs
+        return environment.node_rank() == 0 and environment.local_rank() == 0
+    return environment.global_rank() == 0
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -138,6 +343,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+INTERRUPT_EXIT_CODE = 128 + signal.SIGINT  # 130: the same for SIGINT (Ctrl-C)
 
 
 class SignalStop(SIGTERMException):
@@ -192,6 +398,10 @@ class LastCheckpoint(ModelCheckpoint):
     SIGTERM while that happens is counted and changes nothing; Lightning's teardown puts the original handlers back
     afterwards. A signal before ``on_train_start`` (setup, sanity validation) stays Lightning's: no step was trained.
 
+    SIGINT (Ctrl-C) is taken the same way from ``on_train_start`` on (Python would raise ``KeyboardInterrupt``
+    anywhere, and Lightning would exit with 1 without saving): the step is finished and saved, exit code 130. A
+    second SIGINT ends the process at once (exit code 130, one line), without waiting for the save.
+
     SLURM's requeue signal (USR1) reaching the tasks (``--signal=USR1@300`` without ``B:``, ``scancel --signal=USR1``
     without ``--batch``): under a ``SLURMEnvironment`` whose Lightning auto-requeue is off (the CLI's), it is taken the
     same way, and after the save rank 0 requeues the job once (``scontrol requeue``), unless some rank also got SIGTERM
@@ -211,6 +421,15 @@ class LastCheckpoint(ModelCheckpoint):
         train_time_interval: Optional[timedelta] = None,
         verbose: bool = False,
     ):
+        # Lightning takes 0 as "never" (and a fit whose periodic checkpoints silently stopped loses work) and refuses
+        # a negative number with a traceback.
+        require(
+            every_n_train_steps is None or (isinstance(every_n_train_steps, int) and every_n_train_steps > 0),
+            "checkpoint.every_n_train_steps",
+            every_n_train_steps,
+            "a positive number of optimizer steps (or null: at the end of each epoch and when stopped by a signal; "
+            "or set checkpoint.train_time_interval)",
+        )
         if train_time_interval is not None:  # ModelCheckpoint takes one trigger only
             every_n_train_steps = None
         super().__init__(
@@ -220,7 +439,42 @@ class LastCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             train_time_interval=train_time_interval,
             verbose=verbose,
+            # Always last.ckpt, never a last-vN.ckpt beside a stale last.ckpt (a resume with another interval, from a
+            # copied folder): one file per folder, and --ckpt_path last takes it by step, not by date.
+            enable_version_counter=False,
         )
+
+    # -- one run per folder ---------------------------------------------------------------------------------------
+    _lock: Optional[FolderLock] = None
+
+    def lock_folder(self, trainer, create: bool = True) -> None:
+        """Take the checkpoint folder's ``FolderLock`` for this run (the first process only; once): a second run on
+        the folder is refused in one line. The CLI calls this before anything is loaded, with ``create=False`` (a
+        folder that does not exist yet is locked by ``setup``, which creates it, after the data is loaded)."""
+        if self._lock is not None or not self.dirpath or is_remote(self.dirpath) or not _first_process(trainer):
+            return
+        if not create and not os.path.isdir(self.dirpath):
+            return
+        lock = FolderLock(os.fspath(self.dirpath))
+        lock.acquire()
+        self._lock = lock
+
+    def release_folder(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self.lock_folder(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.release_folder()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self.release_folder()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Where this run logs, so that a resume continues the same log folder (cli.AAHCLI._continue_log_folder).
@@ -241,19 +495,26 @@ class LastCheckpoint(ModelCheckpoint):
         # Every rank is at the same step boundary here: one collective decides for all of them (and, only when they
         # stop, two more say which signal).
         strategy = trainer.strategy
-        if not strategy.reduce_boolean_decision(self._sigterms + self._requeues > 0, all=False) or finished:
+        signalled = self._sigterms + self._sigints + self._requeues > 0
+        if not strategy.reduce_boolean_decision(signalled, all=False) or finished:
             return
         terminated = strategy.reduce_boolean_decision(self._sigterms > 0, all=False)
-        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not terminated
+        interrupted = strategy.reduce_boolean_decision(self._sigints > 0, all=False) and not terminated
+        requeue = strategy.reduce_boolean_decision(self._requeues > 0, all=False) and not (terminated or interrupted)
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        # Lightning sends a step's metrics to the loggers after this hook, which the stop below skips: send them now,
+        # as it would (same step, same log_every_n_steps), so that the curves have no hole at the stop step.
+        trainer._logger_connector.on_batch_end()
+        trainer._logger_connector.update_train_step_metrics()
         if not requeue:
-            raise SignalStop(trainer.global_step, self.last_model_path)
+            signum = signal.SIGINT if interrupted else signal.SIGTERM
+            raise SignalStop(trainer.global_step, self.last_model_path, signum)
         done = requeue_slurm_job() if trainer.is_global_zero else None
         raise SignalStop(trainer.global_step, self.last_model_path, self._requeue_signal, done)
 
     # -- signals -------------------------------------------------------------------------------------------------------
-    _sigterms = _requeues = 0
+    _sigterms = _sigints = _requeues = 0
     _requeue_signal = signal.SIGUSR1
 
     @property
@@ -263,15 +524,22 @@ class LastCheckpoint(ModelCheckpoint):
         return self._sigterms
 
     @property
+    def sigints(self) -> int:
+        """How many times this process has received SIGINT (Ctrl-C) since training started: the first stops the run
+        as SIGTERM does (exit code 130), a second ends the process at once."""
+        return self._sigints
+
+    @property
     def requeue_signals(self) -> int:
         """How many times this process has received SLURM's requeue signal (USR1) since training started."""
         return self._requeues
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._sigterms = self._requeues = 0
+        self._sigterms = self._sigints = self._requeues = 0
         if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
             return
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigint)  # instead of Python's KeyboardInterrupt: nothing would be saved
         # As Lightning's _SignalConnector finds it (a single-device run under srun has a cluster environment too).
         environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
         if isinstance(environment, SLURMEnvironment) and not environment.auto_requeue:
@@ -282,6 +550,21 @@ class LastCheckpoint(ModelCheckpoint):
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterms += 1
 
+    def _on_sigint(self, signum, frame) -> None:
+        self._sigints += 1
+        if self._sigints == 1:
+            return
+        # A second Ctrl-C: the user wants the process gone, not the save. Every checkpoint on disk is whole (atomic
+        # writes); a temporary file this leaves is removed by the next save.
+        if rank_zero_only.rank == 0:
+            os.write(
+                2,
+                f"aah: stopped at once by a second SIGINT: this step is not saved; {self.dirpath} holds the last "
+                f"complete checkpoint\n".encode(),
+            )
+        release_folder_locks()
+        os._exit(INTERRUPT_EXIT_CODE)
+
     def _on_requeue_signal(self, signum, frame) -> None:
         self._requeues += 1
 
@@ -289,10 +572,6 @@ class LastCheckpoint(ModelCheckpoint):
         # Runs that end other than at max_steps (max_epochs, a stop request): their end state resumes exactly.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-def _partial_name() -> str:
-    return f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def swap_in(tmp: str, final: str) -> None:

@@ -182,6 +182,13 @@ class TextDataModule(L.LightningDataModule):
             test_fraction,
             f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})",
         )
+        require(
+            isinstance(val_blocks, int) and val_blocks >= 1,
+            "data.val_blocks",
+            val_blocks,
+            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
+        )
+        require(isinstance(test_blocks, int) and test_blocks >= 0, "data.test_blocks", test_blocks, ">= 0")
         require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
         require(recall_gaps in GAPS, "data.recall_gaps", recall_gaps, f"one of {', '.join(GAPS)}")
         require(isinstance(recall_values, int) and recall_values >= 2, "data.recall_values", recall_values, ">= 2")
@@ -400,10 +407,10 @@ class TextDataModule(L.LightningDataModule):
         batch, world = hp.batch_size, trainer.world_size
         round_ = batch * world  # blocks of one micro-batch on every rank
         if total % round_:
-            low, high = max(round_, total // round_ * round_), (total // round_ + 1) * round_
+            near = sorted({max(round_, total // round_ * round_), (total // round_ + 1) * round_})
             raise ConfigError(
                 f"data.global_batch_size={total} is not allowed with data.batch_size={batch} on {world} process(es): "
-                f"a multiple of {round_} (data.batch_size x processes), e.g. {low} or {high}"
+                f"a multiple of {round_} (data.batch_size x processes), e.g. {' or '.join(map(str, near))}"
             )
         acc, given = total // round_, trainer.accumulate_grad_batches
         if given not in (1, acc):
@@ -623,7 +630,9 @@ class TextDataModule(L.LightningDataModule):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
+        # Only a resumed fit continues the data position; validate / test / predict of the checkpoint read none, on
+        # any number of processes, batch size or accumulation.
+        if not state or (self.trainer is not None and self.trainer.state.fn != "fit"):
             return
         self._restored, self._counts_restated = state, False
         self.check_resume(state["layout"])

@@ -48,6 +48,14 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
     """All rows or nothing: a temporary file in the same folder, renamed over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".aah-predict-", suffix=".tmp")
     try:
+        # mkstemp makes the file owner-only (0600): give it the mode a plain open() would, or the one it replaces.
+        if os.path.exists(path):
+            mode = os.stat(path).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

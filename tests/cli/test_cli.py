@@ -77,3 +77,20 @@ def test_validation_interval_longer_than_the_run_validates_at_the_end(tmp_path, 
     # Steps are logged from 0: the three steps are 0, 1, 2, and the one validation comes after the last.
     assert [step for step, _ in scalars["train/loss"]] == [0, 1, 2]
     assert [step for step, _ in scalars["val/loss"]] == [2]
+
+
+def test_the_progress_bar_of_a_step_bounded_run_has_no_negative_epoch_limit(tmp_path):
+    from aah_lightning.cli import AAHCLI
+    from aah_lightning.lit.callbacks import ProgressBar
+    from aah_lightning.lit.datamodule import TextDataModule
+    from aah_lightning.lit.module import AAHModule
+    from helpers.cli import tiny_config
+
+    config = tiny_config(tmp_path, trainer={"enable_progress_bar": True})
+    cli = AAHCLI(AAHModule, TextDataModule, run=False, auto_configure_optimizers=False, args=["--config", config])
+    bar = cli.trainer.progress_bar_callback
+    assert type(bar) is ProgressBar
+    bar.setup(cli.trainer, cli.model, "fit")
+    for max_epochs, description in ((-1, "Epoch 0"), (3, "Epoch 0/2")):
+        cli.trainer.fit_loop.max_epochs = max_epochs
+        assert bar._get_train_description(0).strip() == description

@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 
 from aah_lightning import validation
+from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
@@ -35,6 +36,60 @@ def text_file(tmp_path, name="corpus.txt", text=None) -> str:
     path = tmp_path / name
     path.write_text(text if text is not None else "def f(x):\n    return x * 2\n" * 400)
     return str(path)
+
+
+# -- parse errors: the setting, the file it came from, the nearest valid setting; no usage ---------------------------
+def parse_refusal(tmp_path, capsys, *args, **sections) -> str:
+    """The whole stderr of a refused parse: exactly one line."""
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", tiny_config(tmp_path, **sections), *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "usage:" not in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "ckpts")
+    return err.strip()
+
+
+def test_a_mistyped_setting_on_the_command_line_names_the_nearest_one(tmp_path, capsys):
+    assert parse_refusal(tmp_path, capsys, "--trainer.max_stepz=3") == (
+        "aah: error: trainer.max_stepz is not a setting of aah fit: did you mean trainer.max_steps? "
+        "(aah fit --help lists every setting)"
+    )
+    # A field of a dataclass setting (jsonargparse reports only the part below model.aah)
+    line = parse_refusal(tmp_path, capsys, "--model.aah.controller.warmup_stepz=3")
+    assert line.startswith("aah: error: model.aah.controller.warmup_stepz is not a setting of aah fit: did you mean ")
+    assert "model.aah.controller.warmup_steps?" in line
+
+
+def test_a_mistyped_setting_in_a_config_file_names_the_file(tmp_path, capsys):
+    config = tiny_config(tmp_path)
+    line = parse_refusal(tmp_path, capsys, model={"gpt": {"n_layr": 3}})  # tiny.yaml, rewritten with the typo
+    assert line == (
+        f"aah: error: model.gpt.n_layr (set in {config}) is not a setting of aah fit: did you mean model.gpt.n_layer? "
+        "(aah fit --help lists every setting)"
+    )
+    line = parse_refusal(tmp_path, capsys, model={"aah": {"polcy": "random"}})
+    assert line.startswith(f"aah: error: model.aah.polcy (set in {config}) is not a setting of aah fit: did you mean ")
+    assert line.endswith("model.aah.policy? (aah fit --help lists every setting)")
+
+
+def test_a_value_of_the_wrong_type_names_the_setting_and_its_file(tmp_path, capsys):
+    assert parse_refusal(tmp_path, capsys, "--data.batch_size=four") == (
+        "aah: error: data.batch_size='four' is not allowed: a value of type int"
+    )
+    config = tiny_config(tmp_path)
+    assert parse_refusal(tmp_path, capsys, data={"batch_size": "four"}) == (
+        f"aah: error: data.batch_size='four' (set in {config}) is not allowed: a value of type int"
+    )
+    assert parse_refusal(tmp_path, capsys, "--model.aah.controller.target_acr=half") == (
+        "aah: error: model.aah.controller.target_acr='half' is not allowed: a value of type float or null"
+    )
+
+
+def test_the_later_source_of_a_setting_is_the_one_named(tmp_path, capsys):
+    other = tmp_path / "other.yaml"
+    other.write_text("data:\n  batch_size: four\n")
+    line = parse_refusal(tmp_path, capsys, "--config", str(other))
+    assert line == f"aah: error: data.batch_size='four' (set in {other}) is not allowed: a value of type int"
 
 
 # -- model shape and window settings ---------------------------------------------------------------------------------
@@ -93,6 +148,51 @@ def test_seq_len_not_positive(tmp_path, capsys):
     assert "seq_len=0" in line
 
 
+# -- legal but questionable: one warning line, and the run goes on --------------------------------------------------
+def _warnings_of(module, data) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validation.warn_questionable(module, data)
+    return [str(w.message) for w in caught]
+
+
+def test_a_controller_setting_under_a_policy_that_ignores_it_warns():
+    from aah_lightning.windows.config import AAHConfig
+
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4)
+    gpt = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
+    aah = AAHConfig(policy="random", candidates=[8, 16, 32])
+    aah.controller.target_acr = 0.5
+    assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == [
+        "model.aah.controller.target_acr=0.5 has no effect with model.aah.policy='random': only the adaptive policy "
+        "reads model.aah.controller"
+    ]
+    aah.policy = "adaptive"  # the policy that reads it: no warning
+    assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == []
+
+
+def test_a_recall_vocabulary_that_dwarfs_the_model_warns():
+    def run(keys: int) -> list[str]:
+        data = TextDataModule(source="recall", seq_len=32, batch_size=4, recall_keys=keys)
+        gpt = GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=data.vocab_size)
+        return _warnings_of(AAHModule(gpt=gpt), data)
+
+    assert run(32) == []  # configs/recall's size
+    (line,) = run(100000)
+    assert line.startswith("data.recall_keys=100000 (with data.recall_values=16) makes a vocabulary of 100017 tokens: ")
+    assert "times the rest; fewer keys train faster" in line
+
+
+def test_no_validation_blocks_is_refused(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, "--data.source=recall", "--data.val_blocks=0")
+    assert line == (
+        "aah: error: data.val_blocks=0 is not allowed: a positive number of held-out blocks (to train without "
+        "validation, set trainer.limit_val_batches=0)"
+    )
+
+
 # -- data ------------------------------------------------------------------------------------------------------------
 def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumulation(tmp_path, capsys):
     # tiny_config: data.batch_size=4 on one process
@@ -101,6 +201,8 @@ def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumu
         "aah: error: data.global_batch_size=6 is not allowed with data.batch_size=4 on 1 process(es): a multiple of 4 "
         "(data.batch_size x processes), e.g. 4 or 8"
     )
+    line = refuse(tmp_path, capsys, "--data.global_batch_size=2")  # below the smallest: one suggestion
+    assert line.endswith("a multiple of 4 (data.batch_size x processes), e.g. 4")
     line = refuse(tmp_path, capsys, "--data.global_batch_size=8", "--trainer.accumulate_grad_batches=3")
     assert line.startswith("aah: error: trainer.accumulate_grad_batches=3 is not allowed with data.global_batch_size=8")
     assert "(8 / (data.batch_size=4 x 1 processes) = 2)" in line
@@ -160,6 +262,38 @@ def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     line = refuse(tmp_path, capsys, "--data.source", "hub", "--data.hub_name", "aah-tests/no-such-dataset")
     assert "data.hub_name='aah-tests/no-such-dataset'" in line and "cannot be reached" in line
+
+
+def test_a_hub_tokenizer_offline_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    import time
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))  # nothing cached
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    start = time.monotonic()
+    line = refuse(tmp_path, capsys, "--data.source=stdlib", "--data.tokenizer=aah-tests/no-such-tokenizer")
+    assert time.monotonic() - start < 20  # no retries (they took 33 s)
+    assert line.startswith(
+        "aah: error: data.tokenizer='aah-tests/no-such-tokenizer' is not in the local Hugging Face cache and "
+        "HF_HUB_OFFLINE is set: "
+    )
+
+
+def test_a_hub_tokenizer_with_the_hub_out_of_reach_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a port nothing listens on
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(proxy, raising=False)
+    line = refuse(tmp_path, capsys, "--data.source=stdlib", "--data.tokenizer=gpt2")
+    assert line == (
+        "aah: error: data.tokenizer='gpt2' is not in the local Hugging Face cache and the hub (http://127.0.0.1:9) "
+        "cannot be reached from this machine: pass a local tokenizer.json file or folder, or 'byte'"
+    )
 
 
 def test_tokenizer_larger_than_model_vocabulary(tmp_path):
@@ -264,6 +398,14 @@ def test_error_inside_a_class_given_by_class_path_is_unwrapped(tmp_path, capsys)
         "0",
     )
     assert line == "aah: error: nonfinite_guard.check_every_n_steps=0 is not allowed: a positive integer or null"
+
+
+@pytest.mark.parametrize("every", [-1, 0])
+def test_a_checkpoint_interval_that_is_not_a_positive_number_of_steps(tmp_path, capsys, every):
+    line = refuse(tmp_path, capsys, f"--checkpoint.every_n_train_steps={every}")
+    assert line.startswith(
+        f"aah: error: checkpoint.every_n_train_steps={every} is not allowed: a positive number of optimizer steps"
+    )
 
 
 def test_checkpoint_folder_that_cannot_be_created(tmp_path, capsys):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -61,6 +64,12 @@ def test_export_of_a_fitted_checkpoint(fitted_checkpoint, tmp_path, capsys):
     assert "- ACR (mean over heads of min(W, T) / T, T = 64): **" in card
     assert "causal coverage" in card and "trust_remote_code=True" in card and '"policy": "random"' in card
     assert "optimizer step 4" in card
+    assert card.startswith("---\nlicense: apache-2.0\n")
+    for section in ("## Training data", "## Metrics", "## Window table", "## Limitations", "## Load"):
+        assert f"\n{section}\n" in card, section
+    assert "- `data.source: files`" in card and "training tokens (4 optimizer steps)" in card
+    assert re.search(r"- best `val/loss` during training: \*\*\d+\.\d{4}\*\*", card)
+    assert "add_bos_token=False" in card and "aah's own generation keeps their last T tokens" in card
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ids = torch.randint(0, 257, (2, 64))
@@ -156,3 +165,43 @@ def test_compiled_block_names_and_the_tied_output_layer_are_mapped(make_module, 
     assert "model.blocks.0.attn.qkv.weight" in weights and not any("_orig_mod" in k for k in weights)
     assert "model.lm_head.weight" not in weights and torch.equal(windows, state["model.windows"])
     assert set(weights) == {k for k in state if k.startswith("model.")} - {"model.lm_head.weight", "model.windows"}
+
+
+def test_a_hub_tokenizer_offline_names_the_option_given(fitted_checkpoint, tmp_path, capsys):
+    code, _, err = run_export(
+        ["--ckpt_path", fitted_checkpoint, "--out", str(tmp_path / "hf"), "--tokenizer", "aah-tests/no-such"], capsys
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        "aah export: error: --tokenizer='aah-tests/no-such' is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+        "is set: no file or folder 'aah-tests/no-such' exists either; pass a local tokenizer.json file or folder, or "
+        "'byte'"
+    ]
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_out_below_a_file_is_refused_before_the_checkpoint_is_read(tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    import aah_lightning.export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "prepare", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    code, _, err = run_export(["--ckpt_path", str(tmp_path / "any.ckpt"), "--out", str(a_file / "sub")], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"aah export: error: --out={str(a_file / 'sub')!r} cannot be created: {a_file} is a file, not a folder"
+    ]
+
+
+def test_the_model_cards_snippet_runs_as_written(fitted_checkpoint, tmp_path, capsys):
+    """Its code block, run as it stands in a fresh interpreter with no terminal to answer a prompt: it loads the
+    folder, generates and prints (on the installed transformers)."""
+    out = tmp_path / "hf"
+    code, _, err = run_export(["--ckpt_path", fitted_checkpoint, "--out", str(out)], capsys)
+    assert code == 0, err
+    card = (out / "README.md").read_text()
+    block = card.split("## Load\n\n```python\n", 1)[1].split("```", 1)[0]
+    assert f"from_pretrained({str(out)!r}, trust_remote_code=True)" in block
+    done = subprocess.run(
+        [sys.executable, "-c", block], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("def fib(") and len(done.stdout) > len("def fib(") + 10

@@ -70,8 +70,9 @@ def test_greedy_generate_equals_aah_generation(exported, make_module):
         assert (w.stop, out[len(w.tokens) :]) in (("length", []), ("eod", [256]))
         assert len(prompt) + len(out) > 64  # generation ran past the trained length
 
-    # A batch with left padding (how lm-eval and most users batch) generates the same continuations.
-    tok.padding_side = "left"
+    # A batch with left padding (the tokenizer's own side, as transformers wants for decoders) generates the same
+    # continuations.
+    assert tok.padding_side == "left"
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
     out = hf.generate(**batch, max_new_tokens=60, do_sample=False)[:, batch.input_ids.shape[1] :]
     for row, w in zip(out.tolist(), want):
@@ -109,3 +110,79 @@ def test_window_table_survives_save_pretrained_and_from_pretrained(exported, mak
     with pytest.raises(ValueError, match="shape"):
         hf.set_windows([[1, 2], [3, 4]])
     assert hf.windows.tolist() == table  # a refused table leaves the old one
+
+
+def test_both_attention_implementations_compute_the_same_logits(exported, make_module):
+    module = make_module(seed=5)
+    folder = exported(module)
+    ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = module.model(ids)
+        for impl in ("sdpa", "eager"):
+            hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation=impl).eval()
+            assert hf.config._attn_implementation == impl
+            assert (hf(ids).logits - want).abs().max().item() <= 1e-5, impl
+
+
+def test_hidden_states_and_attentions_are_what_transformers_documents(exported, make_module):
+    module = make_module(seed=6)
+    hf = load(exported(module))
+    ids = torch.randint(0, 257, (2, 50), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True, output_attentions=True)
+        plain = hf(ids)
+    assert plain.hidden_states is None and plain.attentions is None  # only when asked
+    assert (out.logits - plain.logits).abs().max().item() <= 1e-5  # the eager weights give the same output
+    n_layer, n_head = module.model.windows.shape
+    # The embeddings, each block's input, and the final (normalised) output the logits are computed from.
+    assert len(out.hidden_states) == n_layer + 1
+    assert torch.equal(out.hidden_states[0], hf.model.wte(ids))
+    last = out.hidden_states[-1] @ hf.model.wte.weight.T
+    assert (last - out.logits).abs().max().item() <= 1e-4
+    assert len(out.attentions) == n_layer and out.attentions[0].shape == (2, n_head, 50, 50)
+    for layer, weights in enumerate(out.attentions):
+        assert torch.allclose(weights.sum(-1), torch.ones(2, n_head, 50), atol=1e-5)  # rows are distributions
+        distance = torch.arange(50).view(-1, 1) - torch.arange(50).view(1, -1)
+        for head, w in enumerate(module.model.windows[layer].tolist()):
+            outside = (distance < 0) | (distance >= w)
+            assert weights[:, head][:, outside].abs().max().item() == 0.0  # nothing outside the head's window
+        assert weights.amax().item() > 0.1
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window"])
+def test_a_fixed_size_cache_is_refused_in_one_line(exported, make_module, cache):
+    hf = load(exported(make_module(seed=7)))
+    ids = torch.tensor([[256, 100, 101]])
+    with pytest.raises(ValueError) as raised:
+        hf.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=cache)
+    assert str(raised.value) == (
+        f"aah models keep their keys and values in a DynamicCache (the default): cache_implementation={cache!r} "
+        "is not supported; leave cache_implementation unset"
+    )
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match="is not supported; leave cache_implementation unset"):  # in a config too
+        hf.generate(ids, generation_config=GenerationConfig(max_new_tokens=3, cache_implementation=cache))
+    assert hf.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)  # the default still generates
+
+
+def test_a_fixed_size_cache_object_is_refused_in_one_line(exported, make_module):
+    from transformers import StaticCache
+
+    hf = load(exported(make_module(seed=7)))
+    try:
+        cache = StaticCache(config=hf.config, max_cache_len=16)
+    except TypeError:  # transformers 4.5x: batch size and device too
+        cache = StaticCache(config=hf.config, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError) as raised:
+        hf(torch.tensor([[256, 100, 101]]), past_key_values=cache)
+    assert str(raised.value).startswith("aah models keep their keys and values in a DynamicCache (the default), not")
+    assert "\n" not in str(raised.value)
+
+
+def test_config_json_carries_the_dtype_and_leaves_the_attention_choice_to_transformers(exported, make_module):
+    folder = exported(make_module(seed=8))
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    assert not [key for key in config if key.startswith("_attn_implementation")]
+    assert load(folder).config._attn_implementation == "sdpa"  # the default (transformers 4.50 chose eager)

@@ -153,3 +153,41 @@ def test_lm_eval_runs_the_export_offline_with_the_models_own_scores(exported, ma
         assert np.allclose(theirs, mine, atol=1e-3), (theirs, mine)
     expected = task.accuracy(examples, score)
     assert {k: scores[f"{k},none"] for k in expected} == expected
+
+
+def test_the_eval_extra_brings_what_the_documented_tasks_need():
+    """[eval] installs lm-eval with its Hugging Face backend and its RULER extra, and both are extras the installed
+    lm-eval defines (a misspelt one would be silently ignored by pip)."""
+    from importlib.metadata import metadata
+
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["eval"]
+    spec = next(r for r in extra if r.startswith("lm-eval["))
+    named = set(spec.split("[", 1)[1].split("]", 1)[0].split(","))
+    assert {"hf", "ruler"} <= named
+    assert named <= set(metadata("lm_eval").get_all("Provides-Extra"))
+
+
+def test_rolling_loglikelihood_with_add_bos_token_false_scores_the_document_and_nothing_else(exported, make_module):
+    """What the docs say to pass for perplexity tasks: with ``add_bos_token=False`` the harness's rolling
+    log-likelihood is the model's own (each text token after the end-of-document token); without it, the
+    tokenizer's end-of-document token is scored once more."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    module = make_module(seed=0)
+    folder = exported(module)
+    text = "def add(a, b):\n    return a + b\n"
+    ids = list(text.encode())
+    with torch.no_grad():
+        logprobs = module.model(torch.tensor([[256, *ids]]))[0].log_softmax(-1)
+    own = sum(logprobs[i, token].item() for i, token in enumerate(ids))
+    request = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    scores = {}
+    for args in ({}, {"add_bos_token": False}):
+        lm = HFLM(pretrained=folder, trust_remote_code=True, device="cpu", batch_size=1, **args)
+        (scores[bool(args)],) = lm.loglikelihood_rolling(request, disable_tqdm=True)
+    assert abs(scores[True] - own) < 1e-3
+    assert scores[False] < own - 1.0  # the extra token's log-probability on top

@@ -26,6 +26,12 @@ def _last_checkpoint(trainer) -> LastCheckpoint:
     return next(cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint))
 
 
+def _signals(trainer) -> int:
+    """The stop signals (SIGTERM, SIGINT) this process has received since training started."""
+    stop = _last_checkpoint(trainer)
+    return stop.sigterms + stop.sigints
+
+
 def _wait(condition, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not condition():
@@ -37,8 +43,8 @@ def _wait(condition, what: str) -> None:
 class HoldForSigterm(L.Callback):
     """On rank ``rank``: after the first micro-batch of optimizer step ``at_step + 1`` (inside its accumulation
     window: the step is not finished) writes ``{folder}/held.json`` with this process's id and waits until the
-    process has received SIGTERM. With ``second_at_save``, the checkpoint save that follows the signal writes
-    ``{folder}/saving.json`` and waits for a second SIGTERM before it goes on."""
+    process has received SIGTERM or SIGINT. With ``second_at_save``, the checkpoint save that follows the signal
+    writes ``{folder}/saving.json`` and waits for a second signal before it goes on."""
 
     def __init__(self, folder: str, at_step: int, rank: int = 0, second_at_save: bool = False):
         self.folder, self.at_step, self.rank, self.second_at_save = folder, at_step, rank, second_at_save
@@ -56,14 +62,14 @@ class HoldForSigterm(L.Callback):
             return
         self._held = True
         self._write("held.json", trainer)
-        _wait(lambda: _last_checkpoint(trainer).sigterms >= 1, f"SIGTERM after step {self.at_step}")
+        _wait(lambda: _signals(trainer) >= 1, f"SIGTERM or SIGINT after step {self.at_step}")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if not self.second_at_save or not self._held or self._saving or trainer.global_rank != self.rank:
             return
         self._saving = True
         self._write("saving.json", trainer)
-        _wait(lambda: _last_checkpoint(trainer).sigterms >= 2, "a second SIGTERM during the save")
+        _wait(lambda: _signals(trainer) >= 2, "a second signal during the save")
 
 
 def hold_args(folder, at_step: int, rank: int = 0, second_at_save: bool = False) -> list[str]:
@@ -76,10 +82,13 @@ def hold_args(folder, at_step: int, rank: int = 0, second_at_save: bool = False)
     ]
 
 
-def run_and_sigterm(argv: list[str], folder, second_at_save=False, ranks=1, lightning_launch=False) -> tuple[int, str]:
+def run_and_sigterm(
+    argv: list[str], folder, second_at_save=False, ranks=1, lightning_launch=False, signum=signal.SIGTERM
+) -> tuple[int, str]:
     """Start ``aah ARGV`` (an ``aah fit`` with ``hold_args(folder, ...)``) on ``ranks`` processes (``helpers.launch``;
-    ``lightning_launch``: one real ``aah`` process that starts the other ranks itself), send SIGTERM to the held
-    rank's process once it holds (and a second one once the stop's save holds), wait for every process to end.
+    ``lightning_launch``: one real ``aah`` process that starts the other ranks itself), send ``signum`` (SIGTERM
+    or SIGINT) to the held rank's process once it holds (and a second one once the stop's save holds), wait for every
+    process to end.
     Returns (rank 0's exit code, every process's output, rank 0's first)."""
     os.makedirs(folder, exist_ok=True)
     held, saving = os.path.join(folder, "held.json"), os.path.join(folder, "saving.json")
@@ -104,10 +113,10 @@ def run_and_sigterm(argv: list[str], folder, second_at_save=False, ranks=1, ligh
         _wait(lambda: reached(held), "the run to hold")
         with open(held) as f:
             pid = json.load(f)["pid"]
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signum)
         if second_at_save:
             _wait(lambda: reached(saving), "the stop's checkpoint save")
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signum)
         for p in procs:
             p.wait(timeout=TIMEOUT)
     finally:
@@ -118,5 +127,5 @@ def run_and_sigterm(argv: list[str], folder, second_at_save=False, ranks=1, ligh
     return procs[0].returncode, output()
 
 
-def sigterm_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("aah: stopped by SIGTERM")]
+def sigterm_lines(stderr: str, name: str = "SIGTERM") -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(f"aah: stopped by {name}")]

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import textwrap
+import time
 
 import lightning as L
 import pytest
 import torch
 
 from aah_lightning.cli import AAHCLI, main
-from aah_lightning.errors import CheckpointWriteError
+from aah_lightning.errors import CheckpointWriteError, ConfigError
 from aah_lightning.lit import checkpointing
 from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from aah_lightning.lit.datamodule import TextDataModule
@@ -70,21 +74,82 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint_intact(tmp_path)
     assert sorted(os.listdir(target.parent)) == ["last.ckpt"]
 
 
-def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 600 KiB file system (a tmpfs: room for one tiny checkpoint, not for the next one beside it), or a skip
+    where this machine does not let the test mount one (not root, no CAP_SYS_ADMIN); the fake below still runs."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_during_a_save_is_one_line_exit_4_and_keeps_the_previous_checkpoint(tmp_path, small_disk, capsys):
+    folder = small_disk / "ckpts"
+    code, line = cli_error(
+        ["fit", "--config", tiny_config(tmp_path), f"--checkpoint.dirpath={folder}", "--trainer.max_steps=4"], capsys
+    )
+    assert code == 4, line
+    assert re.search(
+        rf"no space left in {re.escape(str(folder))} \(the checkpoint needs about 0\.\d MiB, 0\.\d MiB free\); "
+        r"the previous checkpoint there \(if any\) is intact",
+        line,
+    ), line
+    assert os.listdir(folder) == ["last.ckpt"]  # no partial file left behind
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 1  # the save before the failed one, whole
+
+
+class _NoRoom:  # os.statvfs of a full disk
+    f_bavail, f_frsize = 0, 4096
+
+
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left in "),
+        # torch 2.13's form of ENOSPC: no errno; the disk is full when less is free than the rest of the file
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "no space left in "),
+        (OSError(errno.EIO, "Input/output error"), "Input/output error; the previous checkpoint there"),
+    ],
+)
+def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, error, message):
+    """The fake counterpart of the small-disk test, for machines that cannot mount one, and the other write errors."""
     target = tmp_path / "last.ckpt"
     plugin = AtomicCheckpointIO()
     plugin.save_checkpoint({"version": 1}, target)
 
-    def disk_full(obj, f):
+    def failing_save(obj, f):
         f.write(b"PK\x03\x04 partial bytes")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
-    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
-    with pytest.raises(CheckpointWriteError, match="No space left on device; the previous checkpoint there"):
-        plugin.save_checkpoint({"version": 2}, target)
+    monkeypatch.setattr(checkpointing.torch, "save", failing_save)
+    if isinstance(error, RuntimeError):
+        monkeypatch.setattr(checkpointing.os, "statvfs", lambda folder: _NoRoom, raising=False)
+    with pytest.raises(CheckpointWriteError, match=message) as raised:
+        plugin.save_checkpoint({"version": 2, "w": torch.zeros(1 << 18)}, target)
+    if "space" in message:
+        assert f"in {tmp_path} (the checkpoint needs about 1.0 MiB" in str(raised.value)
     monkeypatch.undo()
     assert load_checkpoint_file(target)["version"] == 1
     assert os.listdir(tmp_path) == ["last.ckpt"]  # the partial file was removed
+
+
+def test_a_runtime_error_that_is_not_a_write_failure_is_not_reported_as_one(tmp_path, monkeypatch):
+    def broken_save(obj, f):
+        raise RuntimeError("something else went wrong")
+
+    monkeypatch.setattr(checkpointing.torch, "save", broken_save)
+    with pytest.raises(RuntimeError, match="something else") as raised:
+        AtomicCheckpointIO().save_checkpoint({"version": 2}, tmp_path / "last.ckpt")
+    assert not isinstance(raised.value, CheckpointWriteError)
+    assert os.listdir(tmp_path) == []
 
 
 def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
@@ -95,14 +160,63 @@ def test_cli_runs_save_through_the_atomic_plugin(tmp_path):
     assert [type(cb) for cb in cli.trainer.checkpoint_callbacks][:1] == [LastCheckpoint]
 
 
-def test_last_means_the_newest_complete_last_checkpoint(tmp_path):
+def _save_step(path, step: int, mtime: int) -> None:
+    torch.save({"global_step": step, "state_dict": {}}, path)
+    os.utime(path, (mtime, mtime))
+
+
+def test_last_is_the_highest_step_that_verifies_not_the_newest_file(tmp_path):
     folder = tmp_path / "ckpts"
     folder.mkdir()
-    for i, name in enumerate(["last.ckpt", "last-v1.ckpt", f"{PARTIAL_PREFIX}host-1-abcd", "best-step9.ckpt"]):
-        (folder / name).write_bytes(b"x")
-        os.utime(folder / name, (1000 + i, 1000 + i))
+    _save_step(folder / "last.ckpt", 8, 1000)
+    _save_step(folder / "last-v1.ckpt", 4, 2000)  # a stale copy, touched after the newer step was written
+    _save_step(folder / "best-step9.ckpt", 9, 3000)  # not a last checkpoint
+    damaged = folder / "last-v2.ckpt"
+    damaged.write_bytes((folder / "last.ckpt").read_bytes()[:100])  # truncated, newest of all
+    os.utime(damaged, (4000, 4000))
+    (folder / f"{PARTIAL_PREFIX}host-1-abcd").write_bytes(b"x")
     trainer = L.Trainer(callbacks=[LastCheckpoint(dirpath=str(folder))], logger=False)
-    assert resolve_ckpt_path(trainer, "last") == str(folder / "last-v1.ckpt")
+    with pytest.warns(UserWarning, match=f"skipping {damaged}: it does not verify"):
+        assert resolve_ckpt_path(trainer, "last") == str(folder / "last.ckpt")
+
+
+def test_a_damaged_last_is_refused_naming_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    folder = train_tiny(tmp_path, "--trainer.max_steps=4")  # last.ckpt (step 4), best-step4.ckpt
+    os.remove(os.path.join(folder, "best-step4.ckpt"))
+    _save_step(os.path.join(folder, "best-step2.ckpt"), 2, 1000)
+    _save_step(os.path.join(folder, "best-step3.ckpt"), 3, 900)
+    last = os.path.join(folder, "last.ckpt")
+    with open(last, "r+b") as f:  # one flipped byte inside the archive: the CRC no longer matches
+        f.seek(os.path.getsize(last) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for ckpt_path in ("last", last):
+        code, line = cli_error(["fit", "--config", tiny_config(tmp_path), "--ckpt_path", ckpt_path], capsys)
+        assert code == 2 and f"ckpt_path={last!r} is corrupt" in line, line
+        best = os.path.join(folder, "best-step3.ckpt")
+        assert line.endswith(f"use an earlier checkpoint: the newest in that folder that verifies is {best} (step 3)")
+
+
+def test_resumes_keep_one_last_checkpoint_of_the_right_step(tmp_path):
+    """A resume with another save interval, and one from a copied folder whose files are all newer than the run,
+    write last.ckpt (no last-v1.ckpt beside it) and resume from the highest step."""
+    config = tiny_config(tmp_path)
+    first = tmp_path / "first"
+    main(["fit", "--config", config, f"--checkpoint.dirpath={first}", "--trainer.max_steps=4"])
+    main(
+        ["fit", "--config", config, f"--checkpoint.dirpath={first}", "--trainer.max_steps=6"]
+        + ["--checkpoint.every_n_train_steps=3", "--ckpt_path=last"]
+    )
+    assert sorted(n for n in os.listdir(first) if n.startswith("last")) == ["last.ckpt"]
+    assert load_checkpoint_file(first / "last.ckpt")["global_step"] == 6
+
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(first), str(copy)], check=True)  # new modification times
+    main(["fit", "--config", config, f"--checkpoint.dirpath={copy}", "--trainer.max_steps=8", "--ckpt_path=last"])
+    assert sorted(n for n in os.listdir(copy) if n.startswith("last")) == ["last.ckpt"]
+    assert load_checkpoint_file(copy / "last.ckpt")["global_step"] == 8
+    assert not [n for n in os.listdir(copy) if "-v" in n]  # no best-step*-v1.ckpt either
 
 
 @pytest.mark.parametrize("policy", sorted(available_policies()))
@@ -154,3 +268,101 @@ def test_unsafe_checkpoint_is_refused_unless_allowed(tmp_path, capsys):
         ]
     )
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+# -- one run per checkpoint folder -------------------------------------------------------------------------------------
+LOCK_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from aah_lightning.lit.checkpointing import FolderLock
+
+    FolderLock(sys.argv[1]).acquire()
+    print("HELD", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _hold_lock(tmp_path, folder) -> subprocess.Popen:
+    """Another process holding ``folder``'s lock, as a running ``aah fit`` does."""
+    script = tmp_path / "holder.py"
+    script.write_text(LOCK_HOLDER)
+    proc = subprocess.Popen([PYTHON, str(script), str(folder)], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_path, capsys):
+    folder = tmp_path / "ckpts"
+    holder = _hold_lock(tmp_path, folder)
+    try:
+        code, line = cli_error(["fit", "--config", tiny_config(tmp_path)], capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2, line
+    assert line.startswith(
+        f"aah: error: checkpoint.dirpath={str(folder)!r} is in use by another run: PID {holder.pid} "
+    )
+    assert f"on host {socket.gethostname()} (started " in line and "give this run another checkpoint.dirpath" in line
+    assert not [n for n in os.listdir(folder) if n.endswith(".ckpt")]  # nothing was trained or written
+
+
+def test_a_killed_runs_lock_is_taken_over(tmp_path):
+    folder = tmp_path / "ckpts"
+    holder = _hold_lock(tmp_path, folder)
+    holder.send_signal(signal.SIGKILL)  # as the OOM killer or a scheduler's SIGKILL would
+    holder.wait()
+    assert os.path.exists(folder / checkpointing.LOCK_NAME)
+    with pytest.warns(UserWarning, match=f"took over the lock of PID {holder.pid} on host"):
+        train_tiny(tmp_path, "--trainer.max_steps=2")
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 2
+    assert not os.path.exists(folder / checkpointing.LOCK_NAME)  # released when the run ended
+
+
+@pytest.mark.parametrize("silent_for, taken", [(10, False), (3600, True)])
+def test_a_lock_of_another_host_is_stale_when_its_heartbeat_stops(tmp_path, silent_for, taken):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    lock = folder / checkpointing.LOCK_NAME
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": 0, "id": "theirs"}))
+    os.utime(lock, (time.time() - silent_for,) * 2)
+    mine = checkpointing.FolderLock(str(folder))
+    if taken:
+        with pytest.warns(UserWarning, match="took over the lock of PID 4242 on host node-elsewhere"):
+            mine.acquire()
+        assert mine.held()
+        mine.release()
+        assert not lock.exists()
+    else:
+        with pytest.raises(ConfigError, match="in use by another run: PID 4242 on host node-elsewhere"):
+            mine.acquire()
+        assert json.loads(lock.read_text())["id"] == "theirs"  # untouched
+
+
+def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointing.FolderLock, "HEARTBEAT_S", 0.01)
+    folder = tmp_path / "ckpts"
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lock = folder / checkpointing.LOCK_NAME
+            os.utime(lock, (0, 0))  # a heartbeat must bring it back to now
+            time.sleep(0.2)
+            seen.append((json.loads(lock.read_text())["pid"], time.time() - os.path.getmtime(lock)))
+
+    model = AAHModule(gpt=GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65))
+    data = TextDataModule(source="synthetic", seq_len=16, batch_size=2, synthetic_documents=50)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[LastCheckpoint(dirpath=str(folder), every_n_train_steps=1), Look()],
+    )
+    trainer.fit(model, datamodule=data)
+    assert [pid for pid, _ in seen] == [os.getpid()] * 2 and all(age < 60 for _, age in seen), seen
+    assert not os.path.exists(folder / checkpointing.LOCK_NAME)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -211,3 +212,20 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_config, capsys,
     assert code == 2 and line.startswith("aah: error:") and words in line, line
     assert not out.is_file()
     assert not list(tmp_path.glob("**/.aah-*"))  # no temporary file left behind
+
+
+def test_the_output_file_has_the_mode_a_plain_open_gives_or_the_one_it_replaces(tmp_path):
+    from aah_lightning.lit.generation import write_jsonl
+
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "new.jsonl"
+        write_jsonl(str(out), [{"index": 0}])
+        assert os.stat(out).st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        kept = tmp_path / "kept.jsonl"
+        kept.write_text("old\n")
+        os.chmod(kept, 0o640)
+        write_jsonl(str(kept), [{"index": 1}])
+        assert os.stat(kept).st_mode & 0o777 == 0o640 and kept.read_text() == '{"index": 1}\n'
+    finally:
+        os.umask(umask)

@@ -156,3 +156,31 @@ def test_a_rank_without_a_saved_rng_state_derives_one_from_seed_rank_and_step(mo
     monkeypatch.setenv("PL_GLOBAL_SEED", "1235")
     assert not torch.equal(a["torch"], derived_rng_state(1, 3)["torch"])  # another seed
     assert torch.equal(rng_state()["torch"], before["torch"])  # the caller's generators are left as they were
+
+
+def test_a_checkpoint_of_another_world_size_validates_and_its_resume_fix_works(tmp_path, capsys):
+    """A checkpoint of a run on 2 processes (global batch 2 x 4 = 8), used on 1: validate and test read no data
+    position, so they run with or without data.global_batch_size; a resume without it is refused, and the fix the
+    line suggests resumes."""
+    from aah_lightning.checkpoint import DATAMODULE_STATE_KEY
+    from helpers.cli import cli_error, tiny_config, train_tiny
+
+    folder = train_tiny(tmp_path / "first", "--trainer.max_steps=2")
+    ckpt = torch.load(os.path.join(folder, "last.ckpt"), weights_only=True)
+    layout = ckpt[DATAMODULE_STATE_KEY]["layout"]
+    assert (layout["batch_size"], layout["world_size"], layout["accumulate_grad_batches"]) == (4, 1, 1)
+    layout["world_size"] = 2  # what the same run on two processes saves
+    two = tmp_path / "two_processes.ckpt"
+    torch.save(ckpt, two)
+
+    config = tiny_config(tmp_path)
+    for subcommand in ("validate", "test"):
+        for extra in ([], ["--data.global_batch_size=8"]):
+            main([subcommand, "--config", config, "--ckpt_path", str(two), *extra])
+
+    fit = ["fit", "--config", config, "--ckpt_path", str(two), "--trainer.max_steps=4"]
+    code, line = cli_error(fit, capsys)
+    assert code == 2 and "the checkpoint was trained with a global batch of 8 blocks" in line, line
+    assert line.endswith("set data.global_batch_size=8 (or trainer.accumulate_grad_batches=2) to resume it")
+    main([*fit, "--data.global_batch_size=8"])
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 4

@@ -8,10 +8,13 @@ position embeddings in rotate-half form applied to queries and keys, no dropout,
 token embedding matrix. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
 window table in the config: query ``i`` of head ``h`` in layer ``l`` attends to key ``j`` iff
 ``0 <= i - j < windows[l][h]``, with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
-Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to.
+Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to. ``attn_implementation`` is ``"sdpa"``
+(the default) or ``"eager"`` (the same softmax written out); ``output_attentions=True`` computes the weights the
+eager way, ``output_hidden_states=True`` returns the embeddings, every block's input and the final output.
 
-Incremental decoding keeps every past key and value in a transformers ``Cache`` (``DynamicCache`` by default) and
-applies the same windows to it, so ``generate`` computes exactly what one forward pass over the whole text computes.
+Incremental decoding keeps every past key and value in a transformers ``DynamicCache`` (the default; fixed-size
+caches such as ``cache_implementation="static"`` or ``"sliding_window"`` are refused in one line) and applies the
+same windows to it, so ``generate`` computes exactly what one forward pass over the whole text computes.
 The cache is not trimmed to the windows: it costs as much memory as a model without windows.
 
 Past the trained length (``max_position_embeddings``) the table still holds: a head whose window equals the trained
@@ -84,14 +87,22 @@ class AAHAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.bias)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
 
-    def forward(self, x, cos, sin, mask, cache: Cache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: Cache | None, eager: bool = False):
+        """The attention output, and with ``eager`` also its weights ``[B, H, T, past + T]`` (the same softmax,
+        computed explicitly instead of by ``scaled_dot_product_attention``, which does not return them)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         if cache is not None:  # keys are cached after the rotation, at their absolute positions
             k, v = cache.update(k, v.contiguous(), self.layer_idx)
-        y = F.scaled_dot_product_attention(q, k, v.contiguous(), attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        weights = None
+        if eager:
+            scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+            weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+            y = weights @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v.contiguous(), attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C)), weights
 
 
 class AAHMLP(nn.Module):
@@ -112,9 +123,10 @@ class AAHBlock(nn.Module):
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = AAHMLP(config)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin, mask, cache)
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x, cos, sin, mask, cache, eager: bool = False):
+        y, weights = self.attn(self.ln1(x), cos, sin, mask, cache, eager)
+        x = x + y
+        return x + self.mlp(self.ln2(x)), weights
 
 
 class AAHPreTrainedModel(PreTrainedModel):
@@ -122,10 +134,16 @@ class AAHPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["AAHBlock"]
     supports_gradient_checkpointing = False
+    # attn_implementation: "sdpa" (the default: scaled_dot_product_attention with the window mask) or "eager" (the
+    # same softmax computed explicitly; also what output_attentions uses). No FlashAttention: its masks are not
+    # per-head windows.
+    _supports_sdpa = True
 
 
 class AAHModel(AAHPreTrainedModel):
     """The decoder without the output layer: token ids -> final hidden states (after the last LayerNorm)."""
+
+    _auto_class = "AutoModel"  # as AAHForCausalLM's
 
     def __init__(self, config: AAHConfig):
         super().__init__(config)
@@ -154,10 +172,16 @@ class AAHModel(AAHPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
+        if output_attentions is None:
+            output_attentions = bool(getattr(self.config, "output_attentions", False))
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
@@ -165,8 +189,14 @@ class AAHModel(AAHPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        if cache is not None and not isinstance(cache, Cache):
-            raise TypeError(f"the cache must be a transformers Cache (e.g. DynamicCache), not {type(cache).__name__}")
+        if cache is not None and not isinstance(cache, DynamicCache):
+            # A fixed-size cache (cache_implementation "static", "sliding_window", "hybrid", ...) holds no positions
+            # past its length and is masked by transformers, not by the window table.
+            raise ValueError(
+                f"aah models keep their keys and values in a DynamicCache (the default), not a "
+                f"{type(cache).__name__}: pass past_key_values=DynamicCache() (or nothing), and leave "
+                f"cache_implementation unset"
+            )
         past = cache.get_seq_length() if cache is not None else 0
 
         if position_ids is None:
@@ -187,15 +217,29 @@ class AAHModel(AAHPreTrainedModel):
                 key_padding = None
         masks = window_masks(self.windows.to(x.device), past, T, key_padding)
 
+        eager = output_attentions or getattr(self.config, "_attn_implementation", None) == "eager"
+        hidden_states, attentions = [], []
         for block, mask in zip(self.blocks, masks):
-            x = block(x, cos, sin, mask, cache)
+            hidden_states.append(x)
+            x, weights = block(x, cos, sin, mask, cache, eager)
+            attentions.append(weights)
         x = self.ln_f(x)
-        out = BaseModelOutputWithPast(last_hidden_state=x, **{_CACHE_FIELD: cache if use_cache else None})
+        hidden_states.append(x)  # as transformers' decoders: the embeddings, every block's input, the final output
+        out = BaseModelOutputWithPast(
+            last_hidden_state=x,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+            **{_CACHE_FIELD: cache if use_cache else None},
+        )
         return out if return_dict is not False else out.to_tuple()
 
 
 class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
     """The aah GPT with its output layer: logits over the vocabulary, from the token embedding matrix."""
+
+    # What register_for_auto_class sets: save_pretrained then copies this code into the folder it writes (transformers
+    # 4.50 does not set it when loading a folder with trust_remote_code, and saved a folder that could not load).
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: AAHConfig):
         super().__init__(config)
@@ -224,6 +268,18 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
             self.config.windows = old
             raise
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; a fixed-size ``cache_implementation`` is refused in one line before
+        transformers builds it (each transformers version fails on it otherwise in its own way, or ignores it)."""
+        config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+        implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        if implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"aah models keep their keys and values in a DynamicCache (the default): cache_implementation="
+                f"{implementation!r} is not supported; leave cache_implementation unset"
+            )
+        return super().generate(*args, **kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -234,6 +290,8 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
@@ -247,6 +305,8 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
         )
         x = hidden.last_hidden_state
         if logits_to_keep:
@@ -257,7 +317,13 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
             )
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: hidden.get(_CACHE_FIELD)})
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=hidden.hidden_states,
+            attentions=hidden.attentions,
+            **{_CACHE_FIELD: hidden.get(_CACHE_FIELD)},
+        )
         return out if return_dict is not False else out.to_tuple()
 
 
