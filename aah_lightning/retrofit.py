@@ -1,7 +1,8 @@
 """Start a run from a trained model's weights: ``model.init_from`` (docs/retrofit.md).
 
-The source is an aah checkpoint (a ``.ckpt`` file of ``aah fit`` or of ``python -m aah_lightning.hf_checkpoint``) or
-a Hugging Face model folder (``config.json`` and safetensors weights, read by ``model/hf_import.py``). Only its
+The source is an aah checkpoint (a ``.ckpt`` file of ``aah fit`` or of ``python -m aah_lightning.hf_checkpoint``, or
+the checkpoint folder of an FSDP2 run: its weights are read from the shards on every rank) or a Hugging Face model
+folder (``config.json`` and safetensors weights, read by ``model/hf_import.py``). Only its
 weights are taken: the window table comes from the run's policy, and no optimizer, step or data position is read,
 so a run with ``init_from`` is a fine-tune that starts at step 0 (a resume is ``--ckpt_path``).
 
@@ -28,11 +29,14 @@ import yaml
 
 from aah_lightning import checkpoint as ck
 from aah_lightning.errors import ConfigError
+from aah_lightning.inputs import first_line
 from aah_lightning.model import hf_import
 from aah_lightning.model.config import WEIGHT_SHAPE_SETTINGS, GPTConfig
 from aah_lightning.model.gpt import GPT
 
 SETTING = "model.init_from"
+# A torch.distributed.checkpoint folder (an FSDP2 run's last.ckpt/): its index, and Lightning's file of the plain entries.
+SHARDS_INDEX, SHARDS_META = ".metadata", "meta.pt"
 # What the source's weights were trained to compute: their shapes, and the settings that give the same shapes another
 # function (the norm's epsilon, RoPE). The others (seq_len, backend, compilation, ...) say how the model runs.
 SOURCE_SETTINGS = WEIGHT_SHAPE_SETTINGS + (
@@ -54,26 +58,47 @@ def is_hf_folder(path) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, hf_import.CONFIG_FILE))
 
 
+def is_sharded_checkpoint(path) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, SHARDS_INDEX))
+
+
 def _read_aah(path) -> dict:
-    """The checkpoint dict of an aah source file (verified, weights-only, tensors memory-mapped)."""
+    """The checkpoint dict of an aah source file (verified, weights-only, tensors memory-mapped); of a sharded folder,
+    its plain entries (the weights stay in the shards)."""
     if not os.path.exists(path):
         raise ConfigError(f"{_where(path)} does not exist: pass an aah checkpoint or a Hugging Face model folder")
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, ".metadata")):
+    if is_sharded_checkpoint(path):
+        meta = os.path.join(path, SHARDS_META)
+        if not os.path.isfile(meta):
             raise ConfigError(
-                f"{_where(path)} is a sharded (FSDP2) checkpoint folder: consolidate it into one file first "
-                f"(python -m lightning.pytorch.utilities.consolidate_checkpoint {os.fspath(path)})"
+                f"{_where(path)} is a sharded checkpoint folder without {SHARDS_META}: not written by aah"
             )
+        checkpoint = ck.read_checkpoint(meta, mmap=True, setting=SETTING)
+        needed = (ck.HYPER_PARAMETERS_KEY,)
+    elif os.path.isdir(path):
         raise ConfigError(
-            f"{_where(path)} is a folder without {hf_import.CONFIG_FILE}: pass an aah checkpoint file or a Hugging "
-            f"Face model folder"
+            f"{_where(path)} is a folder without {hf_import.CONFIG_FILE}: pass an aah checkpoint or a Hugging Face "
+            f"model folder"
         )
-    checkpoint = ck.read_checkpoint(path, mmap=True, setting=SETTING)
-    if ck.HYPER_PARAMETERS_KEY not in checkpoint or ck.STATE_DICT_KEY not in checkpoint:
-        raise ConfigError(
-            f"{_where(path)} is not a checkpoint written by aah (no {ck.HYPER_PARAMETERS_KEY}/{ck.STATE_DICT_KEY})"
-        )
+    else:
+        checkpoint = ck.read_checkpoint(path, mmap=True, setting=SETTING)
+        needed = (ck.HYPER_PARAMETERS_KEY, ck.STATE_DICT_KEY)
+    if any(key not in checkpoint for key in needed):
+        raise ConfigError(f"{_where(path)} is not a checkpoint written by aah (no {'/'.join(needed)})")
     return checkpoint
+
+
+def _load_shards(gpt: GPT, path) -> None:
+    """The weights of a sharded checkpoint folder into ``gpt``'s own tensors, whole, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+
+    prefix = ck.WINDOWS_STATE_KEY[: -len("windows")]
+    wanted = {prefix + k: v for k, v in gpt.state_dict().items() if k != "windows"}
+    try:
+        with torch.no_grad():
+            dcp.load({ck.STATE_DICT_KEY: wanted}, checkpoint_id=os.fspath(path), no_dist=True)
+    except Exception as e:  # torch.distributed.checkpoint's CheckpointException wraps what each read raised
+        raise ConfigError(f"{_where(path)}: its shards do not hold this model's weights ({first_line(e)})") from e
 
 
 def source_config(path) -> GPTConfig:
@@ -107,6 +132,10 @@ def source_weights(path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """The source's weights in the names of a GPT's ``state_dict``, without its window table."""
     if is_hf_folder(path):
         return hf_import.gpt_state_dict(hf_import.read_weights(path), cfg, os.fspath(path))
+    if is_sharded_checkpoint(path):
+        gpt = GPT(cfg)
+        _load_shards(gpt, path)
+        return {k: v for k, v in gpt.state_dict().items() if k != "windows"}
     state = _read_aah(path)[ck.STATE_DICT_KEY]
     prefix = ck.WINDOWS_STATE_KEY[: -len("windows")]  # "model.": the LightningModule's GPT
     return {
@@ -119,6 +148,9 @@ def source_weights(path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
 def load_weights(gpt: GPT, path) -> None:
     """Copy the source's weights into ``gpt`` (built with the source's settings: ``check_source``); its window table
     stays what the policy set."""
+    if is_sharded_checkpoint(path):
+        _load_shards(gpt, path)  # into the model's tensors: no second copy of the weights
+        return
     weights = source_weights(path, gpt.cfg)
     try:
         missing, unexpected = gpt.load_state_dict(weights, strict=False)
@@ -148,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Print the config overlay that fine-tunes from a trained model (its model.gpt settings and "
         "model.init_from): aah fit --config <yours> --config <this overlay>",
     )
-    parser.add_argument("source", help="an aah checkpoint file or a Hugging Face model folder")
+    parser.add_argument(
+        "source", help="an aah checkpoint (a file or a folder of shards) or a Hugging Face model folder"
+    )
     args = parser.parse_args(argv)
     try:
         config = overlay(args.source)

@@ -166,7 +166,7 @@ def test_sources_that_are_no_model_are_refused_in_one_line(tmp_path):
         retrofit.source_config(tmp_path / "other.pt")
     (tmp_path / "sharded").mkdir()
     (tmp_path / "sharded" / ".metadata").write_bytes(b"")
-    with pytest.raises(ConfigError, match="consolidate it into one file first"):
+    with pytest.raises(ConfigError, match="a sharded checkpoint folder without meta.pt"):
         retrofit.source_config(tmp_path / "sharded")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="a folder without config.json"):

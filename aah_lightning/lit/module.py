@@ -153,8 +153,8 @@ class AAHModule(L.LightningModule):
             aah: the window policy and its settings.
             optim: optimiser and schedule.
             init_from: start from a trained model's weights, a fine-tune (not a resume: no optimizer, step or data
-                position is taken): an aah checkpoint file or a Hugging Face model folder (config.json and
-                safetensors). model.gpt must hold the source's settings (python -m aah_lightning.retrofit SOURCE
+                position is taken): an aah checkpoint (a file, or an FSDP2 run's folder of shards) or a Hugging Face
+                model folder (config.json and safetensors). model.gpt must hold the source's settings (python -m aah_lightning.retrofit SOURCE
                 prints them); the window table comes from model.aah's policy. docs/retrofit.md.
         """
         super().__init__()

@@ -1,7 +1,10 @@
 """``model.init_from`` on two processes (gloo, CPU) under DDP and FSDP2: both ranks start from the source's weights
-(FSDP2 shards the loaded model) and the controller decides the same table on both at step 0 and after."""
+(FSDP2 shards the loaded model) and the controller decides the same table on both at step 0 and after; the sharded
+checkpoint folder FSDP2 writes is itself a source."""
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -36,12 +39,12 @@ def test_both_ranks_start_from_the_source_and_decide_the_same_table(tmp_path, ti
         f"--model.init_from={source}",
         *RETROFIT,
         *extra,
-        "--trainer.callbacks+=helpers.weights.StartWeights",
-        f"--trainer.callbacks.folder={tmp_path}/start",
+        "--trainer.callbacks+=helpers.weights.Weights",
+        f"--trainer.callbacks.folder={tmp_path}/weights",
     )
     expected = retrofit.source_weights(source, retrofit.source_config(source))
     for rank in (0, 1):
-        start = torch.load(tmp_path / "start" / f"rank{rank}.pt", weights_only=True)
+        start = torch.load(tmp_path / "weights" / f"start_rank{rank}.pt", weights_only=True)
         assert start.keys() == {k for k in expected if k != "lm_head.weight"}  # tied: one parameter
         for name, value in start.items():
             assert torch.equal(value, expected[name]), (rank, name)
@@ -52,3 +55,25 @@ def test_both_ranks_start_from_the_source_and_decide_the_same_table(tmp_path, ti
     if configs is FSDP2:
         sharded = next(r["sharded"] for r in r0 if "sharded" in r)
         assert all(local < whole for local, whole in sharded.values() if whole > 1)  # loaded, then really sharded
+        # The run's own checkpoint, a folder of shards, is a source too: its settings and its final weights.
+        folder = tmp_path / "ckpt" / "last.ckpt"
+        assert retrofit.is_sharded_checkpoint(folder)
+        theirs, ours = (asdict(retrofit.source_config(p)) for p in (folder, source))
+        assert all(theirs[k] == ours[k] for k in retrofit.SOURCE_SETTINGS)
+        end = torch.load(tmp_path / "weights" / "end_rank0.pt", weights_only=True)
+        final = retrofit.source_weights(folder, retrofit.source_config(folder))
+        assert not torch.equal(final["wte.weight"], expected["wte.weight"])  # trained on from the source
+        for name, value in end.items():
+            assert torch.equal(final[name], value), name
+        again = tmp_path / "again"  # and a run on one process starts from it
+        main(
+            tiny_args(
+                f"--model.init_from={folder}",
+                f"--checkpoint.dirpath={again}/ckpt",
+                "--trainer.callbacks+=helpers.weights.Weights",
+                f"--trainer.callbacks.folder={again}",
+                steps=1,
+            )
+        )
+        start = torch.load(again / "start_rank0.pt", weights_only=True)
+        assert all(torch.equal(start[name], value) for name, value in end.items())
