@@ -10,8 +10,8 @@ so a run with ``init_from`` is a fine-tune that starts at step 0 (a resume is ``
 * ``check_source(cfg, path)``: the run's ``model.gpt`` settings build that model, or one ``ConfigError`` line naming
   every setting that differs with both values;
 * ``load_weights(gpt, path)``: the source's weights into a GPT built with those settings (its window table is kept);
-* ``python -m aah_lightning.retrofit SOURCE``: prints a config overlay with the source's ``model.gpt`` settings and
-  ``model.init_from`` (and, for a folder with a tokenizer, ``data.tokenizer``), to pass as ``--config``.
+* ``python -m aah_lightning.retrofit SOURCE``: prints a config overlay with the source's ``model.gpt`` settings,
+  ``model.init_from`` and, where it has one, its tokenizer as ``data.tokenizer``, to pass as ``--config``.
 
 Layer: under ``lit/`` (``AAHModule`` loads through it), over ``checkpoint`` and ``model/``.
 """
@@ -163,14 +163,25 @@ def load_weights(gpt: GPT, path) -> None:
         raise ConfigError(f"{_where(path)}: its weights do not fit the model ({'; '.join(problems[:3])}{more})")
 
 
+def source_tokenizer(path) -> str | None:
+    """The tokenizer the source was trained with, as ``data.tokenizer`` takes it: a Hugging Face folder's
+    tokenizer.json (the folder), or an aah checkpoint's ``data.tokenizer``; None for a model of token ids (the
+    synthetic and recall tasks) and a folder without one."""
+    if is_hf_folder(path):
+        return os.fspath(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    data = ck.data_settings(_read_aah(path))
+    return None if data.get("source") in ck.TOKENLESS_SOURCES else data.get("tokenizer")
+
+
 def overlay(path) -> dict:
-    """A config overlay that fine-tunes from ``path``: its ``model.gpt`` settings and ``model.init_from`` (by absolute
-    path), and for a Hugging Face folder with a tokenizer.json its tokenizer as ``data.tokenizer``."""
+    """A config overlay that fine-tunes from ``path``: its ``model.gpt`` settings, ``model.init_from`` (by absolute
+    path) and, where it has one, its tokenizer as ``data.tokenizer``."""
     path = Path(path).resolve()
     cfg = asdict(source_config(path))
     config = {"model": {"init_from": str(path), "gpt": {k: cfg[k] for k in SOURCE_SETTINGS if k != "vocab_size"}}}
-    if is_hf_folder(path) and (path / "tokenizer.json").is_file():
-        config["data"] = {"tokenizer": str(path)}
+    tokenizer = source_tokenizer(path)
+    if tokenizer is not None:
+        config["data"] = {"tokenizer": tokenizer}
     return config
 
 

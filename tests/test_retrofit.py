@@ -7,13 +7,14 @@ resume of such a run is exact; the recipe configs run."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
 import yaml
 
 from aah_lightning import checkpoint as ck
-from aah_lightning import retrofit
+from aah_lightning import hf_checkpoint, retrofit
 from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
@@ -182,6 +183,18 @@ def test_a_resume_of_a_run_started_from_a_source_is_exact(tmp_path, tiny_args):
 
 
 # -- a Hugging Face folder -------------------------------------------------------------------------------------------
+def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenizer(tmp_path):
+    save_tiny("qwen3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    imported = hf_checkpoint.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
+    config = retrofit.overlay(imported)
+    theirs = asdict(hf_import.gpt_config(hf_import.read_config(tmp_path / "hf")))
+    assert config["model"]["gpt"] == {k: theirs[k] for k in retrofit.SOURCE_SETTINGS if k != "vocab_size"}
+    assert config["model"]["gpt"]["head_size"] == 16 and config["model"]["gpt"]["qk_norm"] is True
+    assert config["data"]["tokenizer"] == str((tmp_path / "hf").resolve())  # what hf_checkpoint recorded
+    assert retrofit.overlay(tmp_path / "hf") == config | {"model": {**config["model"], "init_from": str(tmp_path / "hf")}}
+
+
 def test_a_hugging_face_folder_is_refused_without_its_settings(tmp_path, tiny_args, capsys):
     save_tiny("llama3", tmp_path / "hf")
     capsys.readouterr()
