@@ -1,7 +1,7 @@
 """Start a run from a trained model's weights: ``model.init_from`` (docs/retrofit.md).
 
 The source is an aah checkpoint (a ``.ckpt`` file of ``aah fit`` or of ``python -m aah_lightning.hf_checkpoint``, or
-the checkpoint folder of an FSDP2 run: its weights are read from the shards on every rank) or a Hugging Face model
+the checkpoint folder of an FSDP2 run: each process reads its shards whole) or a Hugging Face model
 folder (``config.json`` and safetensors weights, read by ``model/hf_import.py``). Only its
 weights are taken: the window table comes from the run's policy, and no optimizer, step or data position is read,
 so a run with ``init_from`` is a fine-tune that starts at step 0 (a resume is ``--ckpt_path``).

@@ -192,7 +192,9 @@ def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenize
     assert config["model"]["gpt"] == {k: theirs[k] for k in retrofit.SOURCE_SETTINGS if k != "vocab_size"}
     assert config["model"]["gpt"]["head_size"] == 16 and config["model"]["gpt"]["qk_norm"] is True
     assert config["data"]["tokenizer"] == str((tmp_path / "hf").resolve())  # what hf_checkpoint recorded
-    assert retrofit.overlay(tmp_path / "hf") == config | {"model": {**config["model"], "init_from": str(tmp_path / "hf")}}
+    assert retrofit.overlay(tmp_path / "hf") == config | {
+        "model": {**config["model"], "init_from": str(tmp_path / "hf")}
+    }
 
 
 def test_a_hugging_face_folder_is_refused_without_its_settings(tmp_path, tiny_args, capsys):
