@@ -5,7 +5,7 @@ The model is read by ``model/hf_import.py`` (LlamaForCausalLM, MistralForCausalL
 Qwen3ForCausalLM; its own windows in the table) and written as a checkpoint that everything reading aah checkpoints
 takes (``checkpoint.load_model``: generation, inspection, the export): the GPT's settings and weights, step 0, and
 the folder's ``tokenizer.json`` as the data settings' tokenizer (by absolute path). It holds no optimizer or loop
-state: it starts runs, it does not resume one.
+state: it starts runs (``model.init_from``, docs/retrofit.md), it does not resume one.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ LAYERS = [
     ("inputs",),
     ("model", "data"),
     ("checkpoint",),
-    ("windows",),
+    ("windows", "retrofit"),
     ("lit",),
     ("validation", "export", "experiments", "benchmarks", "hf_checkpoint"),
     ("cli",),

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
+from aah_lightning import retrofit
 from aah_lightning.checkpoint import (
     GLOBAL_STEP_KEY,
     HPARAMS_FORMAT,
@@ -144,12 +145,17 @@ class AAHModule(L.LightningModule):
         gpt: GPTConfig = DEFAULT_GPT,
         aah: Optional[AAHConfig] = None,
         optim: Optional[OptimConfig] = None,
+        init_from: Optional[str] = None,
     ):
         """
         Args:
             gpt: the GPT's shape and how it runs (seq_len and vocab_size follow data.seq_len and the tokenizer).
             aah: the window policy and its settings.
             optim: optimiser and schedule.
+            init_from: start from a trained model's weights, a fine-tune (not a resume: no optimizer, step or data
+                position is taken): an aah checkpoint (a file, or an FSDP2 run's folder of shards) or a Hugging Face
+                model folder (config.json and safetensors). model.gpt must hold the source's settings (python -m aah_lightning.retrofit SOURCE
+                prints them); the window table comes from model.aah's policy. docs/retrofit.md.
         """
         super().__init__()
         # Plain dicts too: what a checkpoint's hyperparameters hold (AAHModule(**checkpoint.hyperparameters(ckpt))).
@@ -163,6 +169,10 @@ class AAHModule(L.LightningModule):
         )
         optim.validate()
         self.gpt_config, self.aah_config, self.optim_config = gpt, aah, optim
+        # Not a hyperparameter: a checkpoint of this run holds the weights, its model never needs the source again.
+        self.init_from = init_from
+        if init_from is not None:
+            retrofit.check_source(gpt, init_from)  # one line naming what differs, before anything is built
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
         self.model = GPT(self.gpt_config)
@@ -209,6 +219,10 @@ class AAHModule(L.LightningModule):
         if self._prepared:
             return
         cfg = self.gpt_config
+        if self.init_from is not None:
+            # Into the whole model, before FSDP2 shards it. A resume (--ckpt_path) restores its checkpoint after this
+            # hook under every strategy, so the restored weights replace these.
+            retrofit.load_weights(self.model, self.init_from)
         distributed.prepare_model(self, cfg.compile_blocks, cfg.activation_checkpointing)
         self._prepared = True
 

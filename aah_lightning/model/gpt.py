@@ -289,8 +289,11 @@ class GPT(nn.Module):
         else:
             cos, sin = self.rotary.at(positions, torch.float32)
         for block, plan in zip(self.blocks, plans):
-            if getattr(plan, "eager", False):  # the block as its class defines it: never a compiled graph
-                x = type(block).forward(block, x, cos, sin, plan)
+            if getattr(plan, "eager", False):
+                # Never a compiled graph, but through the module's call: hooks on the block still run (FSDP2's gathers
+                # a sharded block's weights; calling its class's forward directly would skip it).
+                with torch.compiler.set_stance("force_eager"):
+                    x = block(x, cos, sin, plan)
             else:
                 x = block(x, cos, sin, plan)
         if at is not None:

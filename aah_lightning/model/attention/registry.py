@@ -23,8 +23,8 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   ``plan(q, k, v)`` must still compute the whole layer's attention, for callers that hold every head's q, k, v.
 * ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
   defines it, even where ``model.gpt.compile_blocks`` compiled it - for plans whose Python state changes from call to
-  call (generation's cache), which a compiled graph would guard on and recompile for. The block's module hooks are
-  skipped too (FSDP2's gathering: generation runs unsharded anyway).
+  call (generation's cache, the gain probe's one-head windows), which a compiled graph would guard on and recompile
+  for. The block's module hooks still run (FSDP2 gathers a sharded block's weights for it).
 
 The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
 query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same document). Diagnostics ask

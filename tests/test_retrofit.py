@@ -1,0 +1,279 @@
+"""``model.init_from``: a run that starts from a trained model's weights (an aah checkpoint or a Hugging Face folder),
+with the window table its policy decides. The weights reach the model before the first step and the window table does
+not come along; settings that do not build the source's model are refused in one line before any step; the
+controller decides at step 0 from the loaded weights on a task whose answer is known, at either budget scope; a
+resume of such a run is exact; the recipe configs run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+import yaml
+
+from aah_lightning import checkpoint as ck
+from aah_lightning import hf_checkpoint, retrofit
+from aah_lightning.cli import main
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.module import AAHModule
+from aah_lightning.model import hf_import
+from helpers.cli import REPO, cli_error
+from helpers.hf_models import save_tiny, save_tokenizer
+from helpers.resume import check_resumed, interrupted_then_resumed, read_run, run_args
+
+# -- the copy task: every target repeats the token DISTANCE back (data.recall_task: copy) -------------------------------
+T, DISTANCE = 32, 20
+CANDIDATES = "[4,8,16,32]"
+SOURCE_TABLE = [[8, 8, 32, 8], [8, 8, 8, 8]]  # only head 2 of layer 0 sees 20 back: the head that learns the copy
+
+
+def copy_args(folder, *extra, steps: int) -> list[str]:
+    """An in-process ``aah fit`` on the copy task: 2 layers x 4 heads, d = 64, T = 32, 16 symbols (chance 2.8 nats)."""
+    return [
+        "fit",
+        f"--trainer.max_steps={steps}",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.val_check_interval=1000",  # once, at the end
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+        f"--checkpoint.dirpath={folder}/ckpt",
+        "--diagnostics.every_n_steps=1000",
+        "--sample.enabled=false",
+        "--model.gpt.n_layer=2",
+        "--model.gpt.n_head=4",
+        "--model.gpt.n_embd=64",
+        f"--model.aah.candidates={CANDIDATES}",
+        "--data.source=recall",
+        "--data.recall_task=copy",
+        f"--data.recall_copy_distance={DISTANCE}",
+        "--data.recall_keys=8",
+        "--data.recall_values=8",
+        f"--data.seq_len={T}",
+        "--data.batch_size=16",
+        "--data.val_blocks=8",
+        "--data.test_blocks=8",
+        "--trainer.callbacks+=helpers.resume.Recorder",
+        f"--trainer.callbacks.folder={folder}/rec",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def copy_source(tmp_path_factory) -> str:
+    """A model trained on the copy task for 250 steps (~12 s) with one long head: it learns the copy (loss < 0.05)."""
+    folder = tmp_path_factory.mktemp("copy_source")
+    table = str(SOURCE_TABLE).replace(" ", "")
+    main(
+        copy_args(folder, "--model.aah.policy=static", f"--model.aah.table={table}", "--model.optim.lr=3e-3", steps=250)
+    )
+    assert read_run(folder / "rec")[-1]["loss"] < 0.05
+    return str(folder / "ckpt" / "last.ckpt")
+
+
+def retrofit_args(signal: str, scope: str, target: float) -> list[str]:
+    """The controller deciding at step 0 (and, within these few steps, only then)."""
+    return [
+        "--model.aah.policy=adaptive",
+        "--model.aah.controller.warmup_steps=0",
+        f"--model.aah.controller.signal={signal}",
+        f"--model.aah.controller.budget_scope={scope}",
+        f"--model.aah.controller.target_acr={target}",
+        "--model.aah.controller.coverage_target=1.0",
+        "--model.aah.controller.grouping=none",
+        "--model.optim.lr=1e-3",
+    ]
+
+
+# Layer scope: layer 0 must afford 32 + 3 x 4 = 44 of 128 (ACR 0.344). Model scope: 0.25 of both layers leaves the
+# seven other heads 4 tokens each (or one of them 8).
+@pytest.mark.parametrize(
+    "signal, scope, target", [("gain", "model", 0.25), ("gain", "layer", 0.35), ("mass", "layer", 0.35)]
+)
+def test_the_controller_decides_at_step_0_from_the_loaded_weights(copy_source, tmp_path, signal, scope, target):
+    main(copy_args(tmp_path, f"--model.init_from={copy_source}", *retrofit_args(signal, scope, target), steps=2))
+    first = read_run(tmp_path / "rec")[0]  # optimizer step 0: trained under the table decided before it
+    table = torch.tensor(first["table"])
+    assert int(table[0, 2]) >= DISTANCE  # the head that learned the copy keeps its reach,
+    cost = table.clamp(max=T).double() / T
+    assert float(cost.mean() if scope == "model" else cost.mean(1).max()) <= target + 1e-9  # within the budget,
+    assert int((table >= DISTANCE).sum()) < table.numel() / 2  # which cannot keep every head wide,
+    assert first["loss"] < 0.1  # and the loaded weights copy under it at once (chance: ln 16 = 2.8 nats)
+    policy = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)[ck.POLICY_KEY]
+    assert policy["decisions"] == 1 and policy["last_step"] == 0
+
+
+def test_a_uniform_window_at_that_budget_cannot_keep_the_copy(copy_source, tmp_path):
+    """The control: the same weights under one window for all at ACR 0.25 (8 tokens) lose the copy."""
+    main(
+        copy_args(
+            tmp_path, f"--model.init_from={copy_source}", "--model.aah.policy=fixed", "--model.aah.window=8", steps=1
+        )
+    )
+    assert read_run(tmp_path / "rec")[0]["loss"] > 1.5
+
+
+# -- loading -----------------------------------------------------------------------------------------------------------
+def _trained_tiny(tiny_args, folder) -> str:
+    """A tiny model (2 layers x 4 heads, d = 32, synthetic data) trained 2 steps under random windows."""
+    main(
+        tiny_args(
+            f"--checkpoint.dirpath={folder}",
+            f"--trainer.logger.init_args.save_dir={folder}/runs",
+            "--model.aah.policy=random",
+            "--model.aah.candidates=[8,16,32]",
+            steps=2,
+        )
+    )
+    return str(folder / "last.ckpt")
+
+
+def test_the_weights_load_into_the_model_but_the_table_comes_from_the_policy(tmp_path, tiny_args):
+    source = _trained_tiny(tiny_args, tmp_path / "src")
+    saved = ck.read_checkpoint(source)
+    module = AAHModule(**ck.hyperparameters(saved) | {"aah": {"policy": "full"}}, init_from=source)
+    assert not torch.equal(module.model.wte.weight, saved[ck.STATE_DICT_KEY]["model.wte.weight"])  # not yet
+    module.configure_model()  # what Lightning calls before the first step (and before FSDP2 shards)
+    mine = module.state_dict()
+    for key, value in saved[ck.STATE_DICT_KEY].items():
+        if key != ck.WINDOWS_STATE_KEY:
+            assert torch.equal(mine[key], value), key
+    assert ck.window_table(saved).min() < 32  # the source held random windows ...
+    assert torch.equal(module.model.windows, torch.full((2, 4), 32, dtype=torch.int32))  # ... the run its policy's
+    assert "init_from" not in module.hparams  # a checkpoint of the run is complete without the source
+
+
+def test_settings_that_do_not_build_the_source_are_refused_in_one_line(tmp_path, tiny_args, capsys):
+    source = _trained_tiny(tiny_args, tmp_path / "src")
+    args = tiny_args(f"--model.init_from={source}", "--model.gpt.n_embd=64", "--model.gpt.norm=rmsnorm")
+    args = [a.replace(f"{tmp_path}/ckpt", f"{tmp_path}/run") for a in args]
+    code, line = cli_error(args, capsys)
+    assert code == 2
+    assert "model.gpt.n_embd: source 32, this run 64; model.gpt.norm: source 'layernorm', this run 'rmsnorm'" in line
+    assert f"python -m aah_lightning.retrofit {source} prints them" in line
+    assert not (tmp_path / "run").exists()  # refused before any step
+    code, line = cli_error(tiny_args(f"--model.init_from={tmp_path}/nothing.ckpt"), capsys)
+    assert code == 2 and "does not exist" in line and "model.init_from=" in line
+
+
+def test_sources_that_are_no_model_are_refused_in_one_line(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ConfigError, match="is not a checkpoint written by aah"):
+        retrofit.source_config(tmp_path / "other.pt")
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match="a sharded checkpoint folder without meta.pt"):
+        retrofit.source_config(tmp_path / "sharded")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="a folder without config.json"):
+        retrofit.source_config(tmp_path / "empty")
+
+
+def test_a_resume_of_a_run_started_from_a_source_is_exact(tmp_path, tiny_args):
+    """init_from loads before the checkpoint is restored, so the resumed run continues from its own weights."""
+    source = ["--model.init_from=" + _trained_tiny(tiny_args, tmp_path / "src")]
+    main(run_args(tiny_args, tmp_path / "whole", *source))
+    interrupted_then_resumed(tiny_args, tmp_path / "parts", *source)
+    check_resumed(tmp_path)
+
+
+# -- a Hugging Face folder -------------------------------------------------------------------------------------------
+def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenizer(tmp_path):
+    save_tiny("qwen3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    imported = hf_checkpoint.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
+    config = retrofit.overlay(imported)
+    theirs = asdict(hf_import.gpt_config(hf_import.read_config(tmp_path / "hf")))
+    assert config["model"]["gpt"] == {k: theirs[k] for k in retrofit.SOURCE_SETTINGS if k != "vocab_size"}
+    assert config["model"]["gpt"]["head_size"] == 16 and config["model"]["gpt"]["qk_norm"] is True
+    assert config["data"]["tokenizer"] == str((tmp_path / "hf").resolve())  # what hf_checkpoint recorded
+    assert retrofit.overlay(tmp_path / "hf") == config | {
+        "model": {**config["model"], "init_from": str(tmp_path / "hf")}
+    }
+
+
+def test_a_hugging_face_folder_is_refused_without_its_settings(tmp_path, tiny_args, capsys):
+    save_tiny("llama3", tmp_path / "hf")
+    capsys.readouterr()
+    code, line = cli_error(tiny_args(f"--model.init_from={tmp_path / 'hf'}", seq_len=24), capsys)
+    assert code == 2
+    for part in ("model.gpt.vocab_size: source 64, this run 65", "model.gpt.n_kv_head: source 2, this run None"):
+        assert part in line
+    assert "model.gpt.mlp: source 'swiglu', this run 'gelu'" in line and "follows data.tokenizer" in line
+
+
+def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_args, capsys):
+    """configs/retrofit/hf_import.yaml with the overlay ``python -m aah_lightning.retrofit`` prints for the folder: the
+    folder's weights are what the run starts from (a learning rate too small to move them), and the table is the one
+    the controller decided at step 0 under the recipe's budget, not the folder's sliding windows."""
+    folder = tmp_path / "hf"
+    save_tiny("mistral_sliding", folder)  # Mistral with a sliding window of 5 on every layer
+    save_tokenizer(folder)
+    capsys.readouterr()
+    assert retrofit.main([str(folder)]) == 0
+    overlay = tmp_path / "source.yaml"
+    overlay.write_text(capsys.readouterr().out)
+    settings = yaml.safe_load(overlay.read_text())
+    assert settings["model"]["gpt"]["n_kv_head"] == 2 and settings["model"]["gpt"]["mlp"] == "swiglu"
+    assert settings["data"]["tokenizer"] == str(folder.resolve())
+    recipe = os.path.join(REPO, "configs", "retrofit", "hf_import.yaml")
+    cpu = [  # the recipe on the CPU, two steps, on synthetic token ids of the folder's vocabulary (63 + end of text)
+        "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--data.source=synthetic",
+        "--data.synthetic_vocab=63",
+        "--data.synthetic_documents=64",
+        "--data.seq_len=24",
+        "--data.batch_size=4",
+        "--data.global_batch_size=null",
+        "--model.aah.candidates=null",  # T/8 .. T
+        "--model.gpt.backend=auto",
+        "--model.gpt.compile_blocks=false",
+        "--model.aah.controller.probe_sequences=2",
+        "--model.optim.lr=1e-12",
+    ]
+    main(["fit", "--config", recipe, "--config", str(overlay), *cpu])
+    saved = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    theirs = hf_import.import_folder(folder)
+    ours = saved[ck.STATE_DICT_KEY]
+    for key, value in theirs.state_dict().items():
+        if key != "windows":
+            torch.testing.assert_close(ours["model." + key], value, rtol=0, atol=1e-6, msg=key)
+    assert saved[ck.POLICY_KEY]["decisions"] == 1 and saved[ck.POLICY_KEY]["last_step"] == 0
+    table = ck.window_table(saved)
+    assert not torch.equal(table, hf_import.window_table(hf_import.read_config(folder), theirs.cfg))
+    target = yaml.safe_load(open(recipe))["model"]["aah"]["controller"]["target_acr"]
+    assert float((table.clamp(max=24).double() / 24).mean()) <= target + 1e-9
+
+
+def test_the_recall_recipe_parses_on_the_recall_base(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(
+            [
+                "fit",
+                "--config",
+                f"{REPO}/configs/recall/base.yaml",
+                "--config",
+                f"{REPO}/configs/retrofit/recall_acr0.25.yaml",
+                "--print_config",
+            ]
+        )
+    assert done.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    model = config["model"]
+    assert model["init_from"] == "runs/recall/baseline/checkpoints/last.ckpt"  # configs/recall/baseline.yaml's
+    controller = model["aah"]["controller"]
+    assert (model["aah"]["policy"], controller["signal"], controller["budget_scope"]) == ("adaptive", "gain", "model")
+    assert controller["warmup_steps"] == 0 and controller["target_acr"] == 0.25
+    assert config["trainer"]["max_steps"] <= 500
