@@ -23,6 +23,7 @@ from aah_lightning.cli import main as aah
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
+from aah_lightning.windows.config import AAHConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "aah_lightning" / "checkpoint.py"
@@ -288,8 +289,9 @@ def test_a_checkpoint_of_the_flat_layout_resumes_and_validates(tmp_path, capsys)
     # saved in today's layout, with the settings the checkpoint had
     assert resumed[ck.HYPER_PARAMETERS_KEY][ck.HPARAMS_FORMAT_ENTRY] == ck.HPARAMS_FORMAT
     before, after = ck.hyperparameters(ck.read_checkpoint(FORMAT_1)), ck.hyperparameters(resumed)
-    # the resumed checkpoint holds every GPT setting, those the old one predates at their defaults
-    assert GPTConfig(**after.pop("gpt")) == GPTConfig(**before.pop("gpt")) and after == before
+    # the resumed checkpoint holds every GPT and window-policy setting, those the old one predates at their defaults
+    assert GPTConfig(**after.pop("gpt")) == GPTConfig(**before.pop("gpt"))
+    assert AAHConfig(**after.pop("aah")) == AAHConfig(**before.pop("aah")) and after == before
     aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}"))
     with pytest.raises(SystemExit) as exc:  # a checkpoint of another shape: the setting named, in one line
         aah(_run_args(tmp_path, "validate", f"--ckpt_path={FORMAT_1}", "--model.gpt.n_embd=16"))
