@@ -71,6 +71,9 @@ class ControllerConfig:
         explore_window: the explorers' window (None = the widest candidate); one of the candidates.
         formation_steps: the explorers hold their reach until this step; afterwards reach goes where the signal
             measures need (the table in force stays unless a move gains more than ``settle_margin``).
+        formation_fill: the other heads' windows while the explorers form: ``knapsack`` (chosen by the signal at
+            every decision, from step 0) or ``even`` (one window for all of them, the widest the budget leaves; the
+            signal is measured and smoothed but allocates nothing until formation ends).
     """
 
     probe_sequences: int = 2
@@ -104,6 +107,7 @@ class ControllerConfig:
     explorers: int = 0
     explore_window: Optional[int] = None
     formation_steps: int = 0
+    formation_fill: str = "knapsack"
 
     def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
         key = "model.aah.controller."
@@ -194,6 +198,9 @@ class ControllerConfig:
             f"None (the widest candidate) or one of the candidates {candidates}",
         )
         require(self.formation_steps >= 0, key + "formation_steps", self.formation_steps, ">= 0")
+        require(
+            self.formation_fill in ("knapsack", "even"), key + "formation_fill", self.formation_fill, "knapsack or even"
+        )
         for name, on in (("signal", self.signal == "gain"), ("explorers", self.explorers > 0)):
             require(
                 not on or self.budget() is not None,

@@ -197,3 +197,24 @@ def test_gain_under_grouped_query_attention_is_the_measured_loss_change():
             model.set_windows(torch.tensor([[32, 4, w, 4]]))
             losses.append(float(loss_of(model, batch)))
     assert float(gain[0, 2, -1]) == pytest.approx(losses[0] - losses[1], abs=1e-5)
+
+
+def test_even_fill_holds_one_window_for_the_other_heads_while_the_explorers_form():
+    """``formation_fill: even``: beside the explorer every other head holds the widest window the budget leaves
+    ((32 + 3 x 8) / 128 = 0.4375 <= 0.5; 16 would cost 0.625) until formation ends, while the signal is still
+    measured; afterwards the knapsack decides, and the explorer's learned reach stays."""
+    model = tiny_model()
+    ctl = reach_first("gain", formation=100, target=0.5)
+    ctl.formation_fill = "even"
+    policy = make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl), 1, HEADS, T)
+    policy.set_run_length(250)
+    assert policy.initial_table().tolist() == [[32, 8, 8, 8]]
+    model.set_windows(policy.initial_table())
+    loss, tables = train(model, 250, policy)
+    assert all(t.tolist() == [[32, 8, 8, 8]] for t in tables[:100])
+    assert policy.last_need is not None and policy.decisions == 10  # steps 0, 25, ..., 225
+    assert loss < 0.1 and int(tables[-1][0].max()) > DISTANCE
+    with pytest.raises(ConfigError, match="model.aah.controller.formation_fill"):
+        bad = reach_first("gain")
+        bad.formation_fill = "random"
+        make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=bad), 1, HEADS, T)

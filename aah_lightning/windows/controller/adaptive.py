@@ -85,13 +85,22 @@ class AdaptivePolicy(WindowPolicy):
         """Full context until the first decision; with explorers (reach first), the explorer table from step 0."""
         if not self.ctl.explorers:
             return super().initial_table()
+        if self.ctl.formation_fill == "even":
+            return self.explorer_table(self.even_fill(self.budget[1]))
         return self.explorer_table()
 
-    def explorer_table(self) -> Tensor:
-        """Heads ``0 .. explorers - 1`` of every layer at ``explore_window``, every other head at the narrowest."""
-        table = torch.full((self.n_layer, self.n_head), self.candidates[0], dtype=torch.int32)
+    def explorer_table(self, fill: int | None = None) -> Tensor:
+        """Heads ``0 .. explorers - 1`` of every layer at ``explore_window``, every other head at ``fill`` (default
+        the narrowest candidate)."""
+        table = torch.full((self.n_layer, self.n_head), fill or self.candidates[0], dtype=torch.int32)
         table[:, : self.ctl.explorers] = self.candidates[self.explore_index]
         return table
+
+    def even_fill(self, ceiling: float) -> int:
+        """The widest candidate every non-explorer can hold beside the explorers within ``ceiling`` (the narrowest
+        when none fits): ``formation_fill: even``, one window for all the other heads while the explorers form."""
+        fits = [c for c in self.candidates if self.table_cost(self.explorer_table(c)) <= ceiling + 1e-9]
+        return fits[-1] if fits else self.candidates[0]
 
     def forming(self, step: int) -> bool:
         """Whether the explorers still hold their reach at ``step``."""
@@ -196,6 +205,8 @@ class AdaptivePolicy(WindowPolicy):
                 self.gain_se2_ema = a * a * self.gain_se2_ema + (1 - a) ** 2 * gain_se2.clamp_min(0)
             profiles, noise = self.gain_ema.clone(), self.gain_se2_ema.sqrt()
         forming = self.forming(step)
+        if forming and c.formation_fill == "even":  # no allocation yet: the signals are smoothed, the table is set
+            return self._record(self.explorer_table(self.even_fill(self.ceiling(step))), step, x, profiles)
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         held = None if self.table is None else torch.searchsorted(cand, self.table).tolist()
         before = (list(self.partitions), list(self.hierarchies), list(self.group_windows))
@@ -245,10 +256,14 @@ class AdaptivePolicy(WindowPolicy):
                         before[1][layer],
                         before[2][layer],
                     )
+        return self._record(table, step, x, profiles)
+
+    def _record(self, table: Tensor, step: int, x: Tensor, need: Tensor) -> Tensor:
+        """The decided ``table`` in force from ``step``: its spend, coverage on this probe, and the need behind it."""
         self.spend.record(step, self.table_cost(table))
-        index = torch.searchsorted(cand, table)
+        index = torch.searchsorted(torch.tensor(self.candidates, dtype=torch.int32), table)
         self.last_coverage = self.profiles(x).gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
-        self.last_need = profiles.clone()
+        self.last_need = need.clone()
         self.table, self.last_step = table, step
         self.decisions += 1
         return table.clone()
