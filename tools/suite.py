@@ -224,6 +224,7 @@ def main(argv=None) -> None:
         futures = [pool.submit(run, path, seed) for path, seed in runs]
         try:
             records = [r for r in (f.result() for f in futures) if r is not None]
+            records.sort(key=lambda r: (rows.index(r["row"]), r["seed"]))  # the outputs list row by row
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
