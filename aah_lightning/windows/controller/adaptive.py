@@ -153,7 +153,7 @@ class AdaptivePolicy(WindowPolicy):
 
     def measure_gain(self, model, tokens, targets, doc_ids=None, loss_mask=None) -> Tensor:
         """The mass probe's packed features followed by the gain signal ``[L, H, K]`` and its squared standard error
-        ``[L, H, K]`` (``gain.py``), from one forward and one gradient, averaged over ranks."""
+        ``[L, H, K]`` (``gain.py``: one no-grad forward per head and candidate), averaged over ranks."""
         probe, gain, se2 = run_gain_probe(
             model,
             tokens,
