@@ -1,8 +1,8 @@
 """protocol.md: the recall frontier compared with exact tests, because its outcomes are bimodal.
 
 A seed of the recall task either forms the retrieval circuit (recall near 1) or it does not (near chance), so a mean
-and a t interval describe neither mode. Per row: how many seeds learned (final recall >= ``LEARNED``) with a
-Clopper-Pearson interval, and the recall past ``FAR`` tokens. Per comparison (a row against its budget's control,
+and a t interval describe neither mode. Per row: how many seeds learned (final recall >= ``LEARNED`` over the
+distances the budget can reach, see ``reach``) with a Clopper-Pearson interval, and the recall past ``FAR`` tokens. Per comparison (a row against its budget's control,
 and every controller row against the oracle): Fisher's exact test of the two counts, and the sign test and the
 paired permutation test of the per-seed recall differences (seeds paired: the same seed is the same initialisation
 and, for every row, the same data). A row's control is warm-up-matched: one window for all from step 0, or after the
@@ -36,8 +36,39 @@ def far_recall(rec: dict) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def learned(rec: dict) -> bool:
-    return rec.get("recall_acc", math.nan) >= LEARNED
+def _bucket_end(key: str) -> int:
+    return int(key.split(" ")[1].split("-")[1])
+
+
+def recall_within(rec: dict, reach: int | None) -> float:
+    """Recall over the distances up to ``reach``: the whole recall when ``reach`` is None or covers every bucket,
+    else the mean of the buckets that end within it (NaN without any)."""
+    buckets = {k: v for k, v in rec.items() if k.startswith("recall ")}
+    if reach is None or not buckets or all(_bucket_end(k) <= reach for k in buckets):
+        return rec.get("recall_acc", math.nan)
+    values = [v for k, v in buckets.items() if _bucket_end(k) <= reach]
+    return sum(values) / len(values) if values else math.nan
+
+
+def learned(rec: dict, reach: int | None = None) -> bool:
+    return recall_within(rec, reach) >= LEARNED
+
+
+def reach(by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict]) -> dict[str, int | None]:
+    """Per row, the farthest distance its budget can buy: the widest window of the oracle's final tables at the
+    same target ACR (None without an oracle row, meaning every distance). A budget whose widest affordable window
+    is shorter than the context cannot recall past it, whatever spends it, so "learned" is judged within it."""
+    widest: dict[str, int] = {}
+    for (r, _seed), h in heads.items():
+        m = FRONTIER_ROW.match(r)
+        if m and m["family"] == ORACLE:
+            w = max(max(layer) for layer in h["final_table"])
+            widest[m["target"]] = max(w, widest.get(m["target"], 0))
+    out = {}
+    for r in by_row:
+        m = FRONTIER_ROW.match(r)
+        out[r] = widest.get(m["target"]) if m else None
+    return out
 
 
 def long_head_layer(table: list[list[int]]) -> str:
@@ -48,19 +79,21 @@ def long_head_layer(table: list[list[int]]) -> str:
     return "+".join(f"L{layer}" for layer, row in enumerate(table) if widest in row)
 
 
-def row_summary(recs: list[dict], heads: dict[int, dict]) -> list[str]:
-    k, n = sum(map(learned, recs)), len(recs)
+def row_summary(recs: list[dict], heads: dict[int, dict], within: int | None = None) -> list[str]:
+    k, n = sum(learned(x, within) for x in recs), len(recs)
     low, high = stats.clopper_pearson(k, n)
-    far = [far_recall(x) for x in recs if learned(x)]
+    far = [far_recall(x) for x in recs if learned(x, within)]
     tables = [heads[x["seed"]]["final_table"] for x in recs if x["seed"] in heads]
     layers = Counter(long_head_layer(t) for t in tables)
     widest = Counter(max(max(r) for r in t) for t in tables)
     wall = [x.get("wall_s", math.nan) for x in recs]
+    far_values = [v for v in far if not math.isnan(v)]
     return [
+        "all" if within is None else str(within),
         f"{k}/{n}",
         f"[{low:.2f}, {high:.2f}]",
         fmt(*stats.mean_std([x.get("recall_acc", math.nan) for x in recs]), 3),
-        fmt(*stats.mean_std(far), 3) if far else "–",
+        fmt(*stats.mean_std(far_values), 3) if far_values else "–",
         ", ".join(f"{name} {c}" for name, c in sorted(layers.items())) or "–",
         ", ".join(f"{w}: {c}" for w, c in sorted(widest.items())) or "–",
         f"{stats.mean_std(wall)[0]:.0f}",
@@ -87,9 +120,10 @@ def comparisons(by_row: dict[str, list[dict]]) -> list[tuple[str, str]]:
     return pairs
 
 
-def compare(a: list[dict], b: list[dict]) -> dict:
-    """The exact tests of row ``a`` against row ``b``: counts (Fisher) and seed-paired recall differences."""
-    ka, kb = sum(map(learned, a)), sum(map(learned, b))
+def compare(a: list[dict], b: list[dict], within: int | None = None) -> dict:
+    """The exact tests of row ``a`` against row ``b`` (the same budget, so the same reach): counts (Fisher) and
+    seed-paired recall differences."""
+    ka, kb = sum(learned(x, within) for x in a), sum(learned(x, within) for x in b)
     recall_b = {x["seed"]: x.get("recall_acc", math.nan) for x in b}
     diffs = [x["recall_acc"] - recall_b[x["seed"]] for x in a if x["seed"] in recall_b]
     return {
@@ -106,21 +140,25 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tuple[str, int], dict]) -> str:
     """protocol.md's two tables: the rows, and the comparisons with Holm-adjusted exact tests."""
+    within = reach({r: by_row.get(r) or [] for r in rows}, heads)
     lines = [
-        f"Seeds that learned: final recall >= {LEARNED}. Far recall: mean over the distance buckets past {FAR} tokens, "
-        "of the seeds that learned. Long head: the layer holding the final table's widest window, per seed.",
+        f"Seeds that learned: final recall >= {LEARNED} over the distances within reach, the widest window of the "
+        "oracle's table at the same budget (all: every distance; a budget that cannot buy a window as long as the "
+        f"context cannot recall past the window it can buy, whatever spends it). Far recall: mean over the distance "
+        f"buckets past {FAR} tokens, of the seeds that learned. Long head: the layer holding the final table's widest "
+        "window, per seed.",
         "",
-        "| row | learned | 95 % CI (Clopper-Pearson) | recall (mean ± std) | far recall (learned seeds) | long head "
-        "in | widest window | wall s / run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | reach | learned | 95 % CI (Clopper-Pearson) | recall (mean ± std) | far recall (learned seeds) | "
+        "long head in | widest window | wall s / run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         recs = by_row.get(r) or []
         if recs and "recall_acc" in recs[0]:
             mine = {seed: h for (row, seed), h in heads.items() if row == r}
-            lines.append("| " + " | ".join([r, *row_summary(recs, mine)]) + " |")
+            lines.append("| " + " | ".join([r, *row_summary(recs, mine, within.get(r))]) + " |")
     pairs = comparisons({r: by_row.get(r) or [] for r in rows})
-    results = [compare(by_row[a], by_row[b]) for a, b in pairs]
+    results = [compare(by_row[a], by_row[b], within.get(a)) for a, b in pairs]
     flat = [p for res in results for p in res["p"]]
     adjusted = stats.holm(flat)
     lines += [

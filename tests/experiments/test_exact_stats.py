@@ -83,9 +83,36 @@ def test_protocol_calls_better_only_what_survives_holm():
     assert "adaptive_model_acr0.25 vs fixed_warm_acr0.25" in lines  # 50 full-context steps: the matched control
     assert "adaptive_model_acr0.25 vs fixed_acr0.25" not in lines
     assert lines["adaptive_model_acr0.25 vs oracle_acr0.25"].endswith("worse |")
-    assert "| reach_mass_acr0.25 | 10/10 | [0.69, 1.00] |" in md
+    assert "| reach_mass_acr0.25 | all | 10/10 | [0.69, 1.00] |" in md
     assert "L1 10" in md  # the long head's layer, from the final tables
     assert "| reach_mass_acr0.25 | 0: [16,16,16,16] [256,64,32,32] · 1: " in md  # the tables themselves
     # 6/10 vs 0/10: Fisher p = 0.011, which Holm over the table's 21 p-values lifts above 0.05.
     assert lines["random_l1_acr0.25 vs fixed_acr0.25"].endswith("not resolved |")
     assert "fixed_warm_acr0.25 vs fixed_acr0.25" not in lines
+
+
+def test_learned_is_judged_within_the_reach_the_budget_can_buy():
+    """At a budget whose oracle holds at most 128 tokens, a seed that recalls everything within 128 (and nothing
+    past it) learned; one that recalls only within 64 did not. Without an oracle row every distance counts."""
+    near = {"recall 1-64": 1.0, "recall 65-128": 0.95, "recall 129-192": 0.06, "recall 193-256": 0.05}
+    short = {"recall 1-64": 1.0, "recall 65-128": 0.06, "recall 129-192": 0.06, "recall 193-256": 0.05}
+
+    def recs(row, shape, n):
+        return [{"row": row, "seed": s, "recall_acc": sum(shape.values()) / 4, **shape} for s in range(n)]
+
+    by_row = {
+        "fixed_acr0.125": recs("fixed_acr0.125", short, 10),
+        "oracle_acr0.125": recs("oracle_acr0.125", near, 10),
+        "reach_gain_acr0.125": recs("reach_gain_acr0.125", near, 10),
+    }
+    heads = {("oracle_acr0.125", s): {"final_table": [[16, 16, 16, 16], [128, 32, 16, 16]]} for s in range(10)}
+    assert protocol.reach(by_row, heads) == {r: 128 for r in by_row}
+    assert protocol.learned(by_row["oracle_acr0.125"][0], 128)
+    assert not protocol.learned(by_row["oracle_acr0.125"][0], None)  # overall recall 0.515
+    assert not protocol.learned(by_row["fixed_acr0.125"][0], 128)
+    md = protocol.protocol_md(by_row, list(by_row), heads)
+    assert "| reach_gain_acr0.125 | 128 | 10/10 |" in md
+    assert "| fixed_acr0.125 | 128 | 0/10 |" in md
+    lines = [line for line in md.splitlines() if line.startswith("| reach_gain_acr0.125 | fixed_acr0.125 |")]
+    assert lines and lines[0].endswith("better |")
+    assert protocol.reach(by_row, {}) == {r: None for r in by_row}
