@@ -2,7 +2,8 @@
 
 ``aah fit|validate|test --config X.yaml`` (``--print_config``, ``--ckpt_path last``); ``aah predict --config X.yaml
 --ckpt_path C --data.prompts P --generate.output O`` writes completions (docs/generation.md); ``aah export
---ckpt_path C --out DIR`` writes a Hugging Face transformers folder (docs/export.md). Settings the user gives
+--ckpt_path C --out DIR`` writes a Hugging Face transformers folder (docs/export.md); ``aah import FOLDER --out C``
+writes a Hugging Face Llama-family folder as an aah checkpoint (docs/retrofit.md). Settings the user gives
 once are linked: ``data.seq_len`` sets the model's T, the tokenizer sets the model's vocabulary. Bad settings end the
 run with one line naming the setting, before any compute is spent (docs/robustness.md lists every check). Every run
 saves checkpoints atomically (``AtomicCheckpointIO``) and stops at the first non-finite loss (``NonFiniteGuard``).
@@ -407,6 +408,10 @@ def main(args=None) -> None:
         from aah_lightning.export.exporter import main as export_main
 
         sys.exit(export_main(list(argv[1:])))
+    if isinstance(argv, (list, tuple)) and argv and argv[0] == "import":  # a Hugging Face folder -> an aah checkpoint
+        from aah_lightning.hf_checkpoint import main as import_main
+
+        sys.exit(import_main(list(argv[1:])))
     try:
         check_config_files(argv)
         AAHCLI(

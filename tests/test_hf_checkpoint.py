@@ -45,3 +45,49 @@ def test_a_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "x.ckpt").exists()
     with pytest.raises(ConfigError, match="unsupported family"):
         hf_import.family({"architectures": ["GPT2LMHeadModel"]})
+
+
+def aah_import(args, capsys) -> tuple[int, str, str]:
+    from aah_lightning.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["import", *args])
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def test_aah_import_writes_the_checkpoint_and_refuses_a_bad_folder_in_one_line(tmp_path, capsys):
+    theirs = save_tiny("llama3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    code, out, _ = aah_import([str(tmp_path / "hf"), "--out", str(tmp_path / "llama.ckpt")], capsys)
+    assert code == 0 and "llama.ckpt: 2 layers x 4 heads (2 key/value), d = 32" in out
+    model, _ = ck.load_model(tmp_path / "llama.ckpt")
+    tokens = torch.randint(64, (1, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 32}')
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (corrupt / name).write_bytes((tmp_path / "hf" / name).read_bytes())
+    (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    cases = {
+        tmp_path / "missing": "does not exist: pass a Hugging Face model folder",
+        tmp_path / "a_file": "is not a folder: pass a Hugging Face model folder",
+        tmp_path / "empty": "no config.json: not a Hugging Face model folder",
+        partial: "no num_attention_heads, num_hidden_layers, intermediate_size, vocab_size, max_position_embeddings",
+        corrupt: "model.safetensors: not a readable safetensors file",
+    }
+    for folder, says in cases.items():
+        code, _, err = aah_import([str(folder), "--out", str(tmp_path / "x.ckpt")], capsys)
+        assert code == 2 and err.startswith("aah import: error: ") and says in err, err
+        assert err.count("\n") == 1, err
+    assert not (tmp_path / "x.ckpt").exists()
+    code, _, err = aah_import([str(tmp_path / "hf"), "--out", str(tmp_path / "empty")], capsys)
+    assert code == 2 and "is a folder: name the checkpoint file to write" in err

@@ -30,6 +30,15 @@ from aah_lightning.model.gpt import GPT
 
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+# What every supported config.json states (the rest has defaults).
+REQUIRED = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 # Buffers some checkpoints carry that aah computes itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -85,6 +94,9 @@ def rope_settings(hf: Mapping, where="config.json") -> dict:
 def gpt_config(hf: Mapping, seq_len: int | None = None, backend: str = "auto", where="config.json") -> GPTConfig:
     """The ``GPTConfig`` of a Hugging Face ``config.json``; ``seq_len`` defaults to its ``max_position_embeddings``."""
     name = family(hf, where)
+    missing = [k for k in REQUIRED if k not in hf and not (k == "max_position_embeddings" and seq_len)]
+    if missing:
+        raise ConfigError(f"{where}: no {', '.join(missing)}: not a complete {name} config")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         _refuse(where, "hidden_act", act, "the Llama family's MLP is SwiGLU (silu)")
@@ -151,7 +163,11 @@ def read_weights(folder) -> dict[str, Tensor]:
     for shard in shards:
         if not (folder / shard).is_file():
             raise ConfigError(f"{folder}: the shard {shard} that {INDEX_FILE} lists is missing")
-        weights.update(load_file(folder / shard))
+        try:
+            weights.update(load_file(folder / shard))
+        except Exception as e:  # safetensors' SafetensorError: a truncated or foreign file
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ConfigError(f"{folder / shard}: not a readable safetensors file ({reason})") from None
     return weights
 
 
