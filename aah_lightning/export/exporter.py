@@ -77,10 +77,10 @@ def check_out(out: str) -> None:
         raise ConfigError(f"--out={out!r} cannot be created: {existing} is not writable")
 
 
-def model_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def model_state(state_dict: dict, tied: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The GPT's weights from a LightningModule state dict, named as the exported model names them (``model.*``;
-    compiled blocks' ``_orig_mod.`` dropped), and its window table. The output layer is the embedding matrix (tied),
-    so it is not stored twice."""
+    compiled blocks' ``_orig_mod.`` dropped), and its window table. A tied output layer is the embedding matrix, so
+    it is not stored twice; an untied one (``tied`` False) is the exported model's ``lm_head.weight``."""
     weights, windows = {}, None
     for key, value in state_dict.items():
         if not key.startswith("model."):
@@ -88,14 +88,30 @@ def model_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor
         name = plain_key(key)
         if name == WINDOWS_STATE_KEY:
             windows = value
-        elif name != "model.lm_head.weight":
+        elif name == "model.lm_head.weight":
+            if not tied:
+                weights["lm_head.weight"] = value
+        else:
             weights[name] = value
     if windows is None or "model.wte.weight" not in weights:
         raise ValueError("no GPT weights or window table (model.wte.weight, model.windows) in the state dict")
     return weights, windows
 
 
+# GPTConfig's RoPE scaling as the exported config names it (configuration_aah.py: transformers rewrites configs that
+# carry its own rope_scaling / rope_theta, so the names are aah's).
+_ROPE_FIELDS = {
+    "rope_scaling": "rope_scaling_type",
+    "rope_factor": "rope_factor",
+    "rope_low_freq_factor": "rope_low_freq_factor",
+    "rope_high_freq_factor": "rope_high_freq_factor",
+    "rope_original_seq_len": "rope_original_max_position_embeddings",
+}
+
+
 def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
+    """The exported model's config: ``gpt``'s shape (the Llama family's settings included), the window table and the
+    special tokens."""
     from aah_lightning.export.hf_code.configuration_aah import AAHConfig
 
     config = AAHConfig(
@@ -103,9 +119,18 @@ def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
         hidden_size=gpt.n_embd,
         num_hidden_layers=gpt.n_layer,
         num_attention_heads=gpt.n_head,
-        intermediate_size=int(gpt.mlp_ratio * gpt.n_embd),
+        num_key_value_heads=gpt.kv_heads,
+        head_dim=gpt.head_dim,
+        intermediate_size=gpt.mlp_width,
+        mlp=gpt.mlp,
+        norm=gpt.norm,
+        layer_norm_eps=float(gpt.norm_eps),
+        qkv_bias=gpt.qkv_bias,
+        qk_norm=gpt.qk_norm,
+        tie_word_embeddings=gpt.tie_embeddings,
         max_position_embeddings=gpt.seq_len,
         rope_base=float(gpt.rope_base),
+        **{theirs: getattr(gpt, ours) for ours, theirs in _ROPE_FIELDS.items()},
         bias=gpt.bias,
         windows=windows.tolist(),
         document_mask=gpt.document_mask,
@@ -130,7 +155,9 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
     aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
     gpt, data = aah_model.cfg, data_settings(ckpt)
-    weights, windows = model_state({f"model.{k}": v for k, v in aah_model.state_dict().items()})
+    weights, windows = model_state(
+        {f"model.{k}": v for k, v in aah_model.state_dict().items()}, tied=gpt.tie_embeddings
+    )
 
     tok = None
     if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
@@ -159,7 +186,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     dtype = next(iter(tensors.values())).dtype
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
-    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out)
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype)
     return ExportPlan(ckpt_path, config, tensors, tok, card)
 
 

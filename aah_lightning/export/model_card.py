@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from aah_lightning.checkpoint import CALLBACKS_KEY, DATAMODULE_STATE_KEY, GLOBAL_STEP_KEY, hyperparameters
+from aah_lightning.model import generate
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows import metrics
 
@@ -40,6 +42,75 @@ def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
             f"{float(metrics.causal_coverage(row, seq_len)):.3f} |"
         )
     return lines
+
+
+@dataclass(frozen=True)
+class KVSaving:
+    """Key/value-cache bytes per token of context at ``context`` tokens: aah's window cache (``generate.cache_bytes``,
+    what ``WindowKVCache`` allocates: each key/value head keeps ``min(W, context)`` positions for the widest window
+    ``W`` of its query heads) against a cache of every position (``generate.full_cache_bytes``), both with the model's
+    own key/value heads."""
+
+    context: int
+    dtype: torch.dtype
+    window: float
+    full: float
+
+    @property
+    def kept(self) -> float:
+        return self.window / self.full
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.kept
+
+
+def kv_saving(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> KVSaving:
+    """The window table's KV cache per token at the trained context ``gpt.seq_len``, in ``dtype``."""
+    T, D, kv = gpt.seq_len, gpt.head_dim, gpt.kv_heads
+    window = generate.cache_bytes(windows.tolist(), T, D, dtype=dtype, n_kv_head=kv)
+    full = generate.full_cache_bytes(gpt.n_layer, kv, T, D, dtype=dtype)
+    return KVSaving(T, dtype, window / T, full / T)
+
+
+def kv_lines(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype) -> list[str]:
+    """Markdown lines: the KV cache the windows need against full attention."""
+    kv = kv_saving(windows, gpt, dtype)
+    kind = str(dtype).removeprefix("torch.")
+    groups = (
+        f"{gpt.kv_heads} key/value heads for {gpt.n_head} query heads: each keeps the widest window of its group"
+        if gpt.kv_heads != gpt.n_head
+        else "one key/value head per query head"
+    )
+    return [
+        f"- KV cache per token of context at T = {kv.context} ({kind}, {groups}): **{kv.window:,.0f} B** with the "
+        f"windows against **{kv.full:,.0f} B** for full attention: **{kv.kept:.3f}** of it kept, "
+        f"a saving of **{100 * kv.saving:.1f} %**",
+        "- that is what aah's own generation allocates (its window KV cache: `tools/generate.py`, `aah predict`); "
+        "this folder's transformers model keeps every position in a `DynamicCache`, the full-attention figure",
+    ]
+
+
+def architecture(gpt: GPTConfig) -> str:
+    """The model's settings in a phrase (attention, MLP, norm, output layer, RoPE)."""
+    kv = gpt.kv_heads
+    attention = (
+        f"{gpt.n_head} query heads of size {gpt.head_dim}"
+        + (
+            f", {kv} key/value head{'s' if kv > 1 else ''} (grouped-query attention)"
+            if kv != gpt.n_head
+            else ", one key/value head each"
+        )
+        + (", q/k norm" if gpt.qk_norm else "")
+        + (", q/k/v biases" if gpt.qkv_bias and not gpt.bias else "")
+    )
+    mlp = f"{'SwiGLU' if gpt.mlp == 'swiglu' else 'GELU'} MLP of width {gpt.mlp_width}"
+    norm = f"{'RMSNorm' if gpt.norm == 'rmsnorm' else 'LayerNorm'} (eps {gpt.norm_eps:g})"
+    head = "output layer tied to the embedding" if gpt.tie_embeddings else "untied output layer"
+    rope = f"RoPE base {gpt.rope_base:g}" + (
+        f", {gpt.rope_scaling} scaling x{gpt.rope_factor:g}" if gpt.rope_scaling != "none" else ""
+    )
+    return "; ".join((attention, mlp, norm, head, rope))
 
 
 def best_scores(ckpt: dict) -> dict[str, float]:
@@ -96,9 +167,10 @@ def render(
     data: dict,
     params: int,
     path: str = "PATH",
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     """The card's markdown; ``params``: the exported model's parameter count; ``path``: the export folder, as the
-    snippet loads it."""
+    snippet loads it; ``dtype``: the weights' (and so the cache's) dtype."""
     training = {"model": hyperparameters(ckpt), "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
     step = ckpt.get(GLOBAL_STEP_KEY)
     tokenizer = (
@@ -123,6 +195,8 @@ def render(
         "",
         f"# aah GPT: {gpt.n_layer} layers x {gpt.n_head} heads, d = {gpt.n_embd}",
         "",
+        f"Architecture: {architecture(gpt)}.",
+        "",
         "A GPT trained with aah (Asymmetric Attention Heads): **every attention head has its own causal window**. "
         "Query i of head h in layer l attends to key j iff `0 <= i - j < windows[l][h]`; the table is `windows` in "
         "config.json and the modeling code (`modeling_aah.py`) applies it exactly.",
@@ -146,6 +220,8 @@ def render(
         "## Window table",
         "",
         *window_summary(windows, gpt.seq_len),
+        "",
+        *kv_lines(windows, gpt, dtype),
         "",
         "## Load",
         "",

@@ -3,9 +3,11 @@
 Self-contained on purpose (torch and transformers only): the export folder loads with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` on a machine without aah.
 
-The network is aah's GPT, computed the same way: pre-norm blocks (LayerNorm, attention, LayerNorm, GELU MLP), rotary
-position embeddings in rotate-half form applied to queries and keys, no dropout, and an output layer that reuses the
-token embedding matrix. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
+The network is aah's GPT, computed the same way: pre-norm blocks (norm, attention, norm, MLP), rotary position
+embeddings in rotate-half form applied to queries and keys, no dropout. By default the norms are LayerNorm, the MLP is
+GELU, every query head has its own key/value head and the output layer reuses the token embedding matrix; the Llama
+family's choices are config settings (``configuration_aah.py``): grouped-query attention, SwiGLU, RMSNorm, an untied
+output layer, q/k/v biases, a norm over each head's q and k (Qwen3) and RoPE's linear or llama3 scaling. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
 window table in the config: query ``i`` of head ``h`` in layer ``l`` attends to key ``j`` iff
 ``0 <= i - j < windows[l][h]``, with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
 Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to. ``attn_implementation`` is ``"sdpa"``
@@ -15,7 +17,8 @@ eager way, ``output_hidden_states=True`` returns the embeddings, every block's i
 Incremental decoding keeps every past key and value in a transformers ``DynamicCache`` (the default; fixed-size
 caches such as ``cache_implementation="static"`` or ``"sliding_window"`` are refused in one line) and applies the
 same windows to it, so ``generate`` computes exactly what one forward pass over the whole text computes.
-The cache is not trimmed to the windows: it costs as much memory as a model without windows.
+The cache is not trimmed to the windows: it costs as much memory as a model without windows (under grouped-query
+attention it holds the key/value heads, not one copy per query head).
 
 Past the trained length (``max_position_embeddings``) the table still holds: a head whose window equals the trained
 length slides at that length. Documents are not masked from each other even for models trained with document
@@ -23,6 +26,8 @@ masking (aah's own generation does not either): give the model one document at a
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -44,13 +49,29 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def inv_frequencies(config: AAHConfig, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``rope_base ** (-2i / D)``, then the scaling:
+    ``linear`` divides every frequency by ``rope_factor``; ``llama3`` (Llama 3.1) divides those whose wavelength
+    exceeds ``original / low_freq_factor`` by it, keeps those below ``original / high_freq_factor``, and blends the
+    two linearly in ``original / wavelength`` between."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    kind, factor = config.rope_scaling_type, config.rope_factor
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        original = config.rope_original_max_position_embeddings
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        kept = original / (2 * math.pi / inv_freq)  # periods of the original context per wavelength
+        smooth = ((kept - low) / (high - low)).clamp(0, 1)  # 0: long waves (scaled), 1: short waves (kept)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
 def rotary_tables(
-    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[B, 1, T, D]`` at integer positions ``[B, T]``, computed in float32 and cast to ``dtype``."""
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
-    )
     freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, D/2]
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -79,33 +100,74 @@ def window_masks(windows: torch.Tensor, past: int, length: int, key_padding: tor
     return masks
 
 
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (torch's ``nn.RMSNorm``, which aah trains with,
+    written out for the torch versions before it)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(F, "rms_norm"):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(config: AAHConfig, dim: int) -> nn.Module:
+    """The norm of ``config.norm`` over ``dim`` channels (LayerNorm has a bias only with ``config.bias``)."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
+
+
 class AAHAttention(nn.Module):
+    """``num_attention_heads`` query heads, ``num_key_value_heads`` key/value heads (query head ``h`` reads key/value
+    head ``h // group``). The fused ``qkv`` projection holds the rows of q, then k, then v."""
+
     def __init__(self, config: AAHConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head = config.num_attention_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.bias)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
+        self.n_head, self.n_kv_head, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.bias or config.qkv_bias)
+        self.proj = nn.Linear(q_size, config.hidden_size, bias=config.bias)
+        if config.qk_norm:  # one norm over each head's channels, shared by the heads
+            self.q_norm, self.k_norm = make_norm(config, self.head_dim), make_norm(config, self.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, mask, cache: Cache | None, eager: bool = False):
         """The attention output, and with ``eager`` also its weights ``[B, H, T, past + T]`` (the same softmax,
         computed explicitly instead of by ``scaled_dot_product_attention``, which does not return them)."""
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        if cache is not None:  # keys are cached after the rotation, at their absolute positions
+        if cache is not None:  # keys are cached after the rotation, at their absolute positions (key/value heads)
             k, v = cache.update(k, v.contiguous(), self.layer_idx)
+        if Hkv != H:  # every query head with its key/value head
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         weights = None
         if eager:
-            scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+            scores = (q @ k.transpose(-2, -1)) * (D**-0.5)
             weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
             y = weights @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v.contiguous(), attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C)), weights
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D)), weights
 
 
 class AAHMLP(nn.Module):
+    """``proj(gelu(fc x))``."""
+
     def __init__(self, config: AAHConfig):
         super().__init__()
         self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
@@ -115,13 +177,26 @@ class AAHMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class AAHSwiGLU(nn.Module):
+    """The Llama family's gated MLP: ``proj(silu(gate x) * up x)``."""
+
+    def __init__(self, config: AAHConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
 class AAHBlock(nn.Module):
     def __init__(self, config: AAHConfig, layer_idx: int):
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln1 = make_norm(config, config.hidden_size)
         self.attn = AAHAttention(config, layer_idx)
-        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = AAHMLP(config)
+        self.ln2 = make_norm(config, config.hidden_size)
+        self.mlp = AAHSwiGLU(config) if config.mlp == "swiglu" else AAHMLP(config)
 
     def forward(self, x, cos, sin, mask, cache, eager: bool = False):
         y, weights = self.attn(self.ln1(x), cos, sin, mask, cache, eager)
@@ -141,7 +216,7 @@ class AAHPreTrainedModel(PreTrainedModel):
 
 
 class AAHModel(AAHPreTrainedModel):
-    """The decoder without the output layer: token ids -> final hidden states (after the last LayerNorm)."""
+    """The decoder without the output layer: token ids -> final hidden states (after the last norm)."""
 
     _auto_class = "AutoModel"  # as AAHForCausalLM's
 
@@ -149,7 +224,7 @@ class AAHModel(AAHPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(AAHBlock(config, i) for i in range(config.num_hidden_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_f = make_norm(config, config.hidden_size)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -201,8 +276,7 @@ class AAHModel(AAHPreTrainedModel):
 
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device).unsqueeze(0).expand(B, T)
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        cos, sin = rotary_tables(position_ids, head_dim, self.config.rope_base, x.dtype)
+        cos, sin = rotary_tables(position_ids, inv_frequencies(self.config, x.device), x.dtype)
 
         key_padding = None
         if attention_mask is not None:
@@ -235,7 +309,8 @@ class AAHModel(AAHPreTrainedModel):
 
 
 class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
-    """The aah GPT with its output layer: logits over the vocabulary, from the token embedding matrix."""
+    """The aah GPT with its output layer: logits over the vocabulary, from the token embedding matrix (tied) or from
+    ``lm_head`` (``tie_word_embeddings: false``)."""
 
     # What register_for_auto_class sets: save_pretrained then copies this code into the folder it writes (transformers
     # 4.50 does not set it when loading a folder with trust_remote_code, and saved a folder that could not load).
@@ -244,6 +319,9 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
     def __init__(self, config: AAHConfig):
         super().__init__(config)
         self.model = AAHModel(config)
+        # Tied: the logits reuse the embedding matrix (no second weight, nothing for transformers to tie).
+        tied = getattr(config, "tie_word_embeddings", True)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -251,6 +329,9 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        return self.lm_head
 
     @property
     def windows(self) -> torch.Tensor:
@@ -311,7 +392,7 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
         x = hidden.last_hidden_state
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = F.linear(x, self.model.wte.weight)
+        logits = F.linear(x, self.model.wte.weight) if self.lm_head is None else self.lm_head(x)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
