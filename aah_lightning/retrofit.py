@@ -7,6 +7,8 @@ weights are taken: the window table comes from the run's policy, and no optimize
 so a run with ``init_from`` is a fine-tune that starts at step 0 (a resume is ``--ckpt_path``).
 
 * ``source_config(path)``: the GPT settings the source was trained with;
+* ``padded_vocabulary(cfg, path)``: the run's settings with the source's ``vocab_size`` where the source's embedding
+  has more rows than the run's tokenizer has ids (a padded vocabulary, as Qwen2 / Qwen3 ship): the rows are kept;
 * ``check_source(cfg, path)``: the run's ``model.gpt`` settings build that model, or one ``ConfigError`` line naming
   every setting that differs with both values;
 * ``load_weights(gpt, path)``: the source's weights into a GPT built with those settings (its window table is kept);
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -112,6 +114,15 @@ def source_config(path) -> GPTConfig:
         return GPTConfig(**{k: v for k, v in settings.items() if k in known})
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"{_where(path)} does not describe an aah GPT ({e})") from e
+
+
+def padded_vocabulary(cfg: GPTConfig, path) -> GPTConfig:
+    """``cfg`` with the source's ``vocab_size`` where it is larger: ``model.gpt.vocab_size`` follows the tokenizer,
+    and a model may have more embedding rows than its tokenizer has ids (Qwen2 / Qwen3 pad theirs to a round number).
+    The padded rows are kept, never read by the data (every id is below the tokenizer's count); a tokenizer with more
+    ids than the source's rows is still refused by ``check_source``."""
+    theirs = source_config(path).vocab_size
+    return replace(cfg, vocab_size=theirs) if theirs > cfg.vocab_size else cfg
 
 
 def check_source(cfg: GPTConfig, path) -> None:

@@ -277,3 +277,23 @@ def test_the_recall_recipe_parses_on_the_recall_base(capsys):
     assert (model["aah"]["policy"], controller["signal"], controller["budget_scope"]) == ("adaptive", "gain", "model")
     assert controller["warmup_steps"] == 0 and controller["target_acr"] == 0.25
     assert config["trainer"]["max_steps"] <= 500
+
+
+def test_a_padded_vocabulary_keeps_its_rows_through_the_fine_tune(tmp_path, tiny_args, capsys):
+    """A Qwen3 folder whose embedding has 80 rows for a tokenizer of 64 ids (Qwen pads its vocabulary): the run's
+    vocabulary follows the data (64 ids), the model keeps the source's 80 rows (tests/export exports such a model)."""
+    folder = tmp_path / "hf"
+    theirs = save_tiny("qwen3", folder, vocab_size=80)
+    save_tokenizer(folder)  # 64 ids
+    capsys.readouterr()
+    assert retrofit.main([str(folder)]) == 0
+    overlay = tmp_path / "source.yaml"
+    overlay.write_text(capsys.readouterr().out)
+    run = ["--config", str(overlay), "--data.synthetic_vocab=63", "--model.optim.lr=1e-12", "--model.aah.policy=full"]
+    main(tiny_args(*run, steps=2, seq_len=24))
+    saved = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert ck.gpt_settings(saved)["vocab_size"] == 80
+    wte = saved[ck.STATE_DICT_KEY]["model.wte.weight"]
+    torch.testing.assert_close(wte, theirs.model.embed_tokens.weight.detach(), rtol=0, atol=1e-6)  # rows 64..79 too
+    module = AAHModule(**ck.hyperparameters(saved), init_from=str(folder))  # a resume builds the same model
+    assert module.gpt_config.vocab_size == 80

@@ -162,6 +162,8 @@ class AAHModule(L.LightningModule):
         gpt = GPTConfig(**gpt) if isinstance(gpt, Mapping) else gpt or DEFAULT_GPT
         aah = AAHConfig(**aah) if isinstance(aah, Mapping) else aah or AAHConfig()
         optim = OptimConfig(**optim) if isinstance(optim, Mapping) else optim or OptimConfig()
+        if init_from is not None:  # a source with a padded vocabulary keeps its embedding rows
+            gpt = retrofit.padded_vocabulary(gpt, init_from)
         # The settings dataclasses as plain dicts (checkpoints load with torch.load(weights_only=True)), with the
         # version of this layout (checkpoint.HPARAMS_FORMAT_ENTRY).
         self.save_hyperparameters(

@@ -29,7 +29,7 @@ from aah_lightning.model import generate as gen
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.window_math import kv_group_windows
 from helpers.cli import REPO
-from helpers.hf_models import save_tiny
+from helpers.hf_models import save_tiny, save_tokenizer
 
 # Llama 3-like: 2 key/value heads for 4 query heads, SwiGLU, RMSNorm, untied output, q/k/v biases, llama3 RoPE scaling.
 GQA = dict(
@@ -77,6 +77,12 @@ def llama_module(settings: dict, seed: int = 0, seq_len: int = 64, table=None, n
         for p in module.model.parameters():
             p.add_(torch.randn_like(p) * noise)
     return module.eval()
+
+
+def exit_code(args) -> int:
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    return done.value.code
 
 
 def load(folder: str):
@@ -182,14 +188,24 @@ def test_the_card_states_acr_and_kv_saving_of_a_gqa_export(exported):
     assert "untied output layer" in card and "llama3 scaling x4" in card
 
 
+def test_an_imported_qwen3_with_a_padded_vocabulary_exports_with_transformers_logits(tmp_path):
+    """Qwen3 (q/k norm, head size 16 at width 32) with 80 embedding rows for a tokenizer of 64 ids: ``aah import``
+    keeps the rows, ``aah export`` ships the tokenizer as it is, and transformers' logits of the export are those of
+    the original model."""
+    theirs = save_tiny("qwen3", tmp_path / "hf", vocab_size=80)
+    save_tokenizer(tmp_path / "hf")
+    assert exit_code(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "q.ckpt")]) == 0
+    assert exit_code(["export", "--ckpt_path", str(tmp_path / "q.ckpt"), "--out", str(tmp_path / "export")]) == 0
+    hf = load(str(tmp_path / "export"))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "export", trust_remote_code=True)
+    assert hf.config.vocab_size == 80 and len(tok) == 64 and hf.config.qk_norm and hf.config.head_dim == 16
+    tokens = torch.randint(64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
 # -- the whole way: Hugging Face folder -> aah import -> retrofit -> aah export -> lm-eval ----------------------------
 T = 256
-
-
-def exit_code(args) -> int:
-    with pytest.raises(SystemExit) as done:
-        main(args)
-    return done.value.code
 
 
 @pytest.fixture(scope="module")
