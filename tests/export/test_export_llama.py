@@ -261,7 +261,7 @@ def retrofitted(tmp_path_factory):
     return {"imported": imported, "ckpt": last, "export": str(out), "root": root}
 
 
-@pytest.mark.heavy  # an aah fit of two steps and an export: ~15 s on a busy 2-core machine
+@pytest.mark.heavy  # its fixture runs aah import, an aah fit of two steps and aah export (a few seconds)
 def test_the_retrofitted_import_exports_with_its_windows_logits_and_text(retrofitted):
     model, _ = ck.load_model(retrofitted["ckpt"])
     source, _ = ck.load_model(retrofitted["imported"])
