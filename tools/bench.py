@@ -329,6 +329,8 @@ def section_d(args, device) -> str:
 class _Gathered:
     """The plan without ``head_groups``: the layer hands it every head's q, k, v, and it gathers and scatters them."""
 
+    eager, head_groups = False, None
+
     def __init__(self, plan):
         self.plan = plan
 

@@ -212,6 +212,7 @@ class Prefill:
     plan ``inner``."""
 
     eager = True
+    head_groups = None  # the cache stores every head in its own order
 
     def __init__(self, cache: WindowKVCache, layer: int, inner, lengths: list[int]):
         self.cache, self.layer, self.inner, self.lengths = cache, layer, inner, lengths
@@ -225,6 +226,7 @@ class Decode:
     """A decode step's plan for one layer: write the step's keys and values, attend over the cache."""
 
     eager = True
+    head_groups = None
 
     def __init__(self, cache: WindowKVCache, layer: int):
         self.cache, self.layer = cache, layer

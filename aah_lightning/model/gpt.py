@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from aah_lightning.model.attention import AttentionPlanner, Plan, resolve_backend
+from aah_lightning.model.attention import AttentionPlanner, LayerPlan, resolve_backend
 from aah_lightning.model.config import GPTConfig
 
 
@@ -105,9 +105,9 @@ class CausalSelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
         B, T, _ = x.shape
-        groups = getattr(plan, "head_groups", None)
+        groups = plan.head_groups
         q_order = kv_order = None
         if groups is not None:
             q_order = groups.order
@@ -214,7 +214,7 @@ class Block(nn.Module):
         self.ln2 = make_norm(cfg, cfg.n_embd)
         self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: LayerPlan) -> Tensor:
         x = x + self.attn(self.ln1(x), cos, sin, plan)
         return x + self.mlp(self.ln2(x))
 
@@ -267,7 +267,7 @@ class GPT(nn.Module):
         doc_ids: Tensor | None = None,
         backend: str | None = None,
         at: Tensor | None = None,
-        plans: list | None = None,
+        plans: list[LayerPlan] | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
         """idx: ``[B, T]`` token ids -> logits ``[B, T, vocab]``. The one forward of the model: training, evaluation,
@@ -289,7 +289,7 @@ class GPT(nn.Module):
         else:
             cos, sin = self.rotary.at(positions, torch.float32)
         for block, plan in zip(self.blocks, plans):
-            if getattr(plan, "eager", False):
+            if plan.eager:
                 # Never a compiled graph, but through the module's call: hooks on the block still run (FSDP2's gathers
                 # a sharded block's weights; calling its class's forward directly would skip it).
                 with torch.compiler.set_stance("force_eager"):

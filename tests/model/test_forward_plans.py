@@ -80,3 +80,30 @@ def test_probe_and_generation_through_compiled_blocks():
         for probe in probes:
             for got, exp in zip(probe.k + probe.probs, ref.k + ref.probs):
                 torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+
+
+def test_every_kind_of_plan_meets_the_layer_plan_contract():
+    """Backend plans and the plans callers pass (probe, generation, gain probe) all say whether they group heads and
+    whether they run eager; an object that only computes attention is refused where GPT.forward reads them."""
+    from aah_lightning.model.attention import LayerPlan, get_backend
+    from aah_lightning.windows.controller.gain import OneHeadWindow
+
+    model = tiny_model()
+    cpu = torch.device("cpu")
+    built = [
+        get_backend(name).build((4, 8, 16, 20), 20, None, device=cpu, block_size=16) for name in ("banded", "split")
+    ]
+    cache, _ = gen.prefill(model, [[1, 2, 3]], max_new_tokens=2)
+    wrappers = [Recording(built[0]), OneHeadWindow(built[0], 1, 8, None), *cache.plans]
+    for plan in built + wrappers:
+        assert isinstance(plan, LayerPlan), type(plan).__name__
+    assert built[1].head_groups is not None and not built[1].eager  # split runs its groups through the layer
+
+    class OnlyAttention:
+        def __call__(self, q, k, v):
+            return q
+
+    assert not isinstance(OnlyAttention(), LayerPlan)
+    idx = torch.randint(40, (1, 20), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(AttributeError, match="head_groups|eager"):
+        model(idx, plans=[OnlyAttention(), OnlyAttention()])

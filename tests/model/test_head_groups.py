@@ -17,6 +17,8 @@ from aah_lightning.model.gpt import GPT
 class Gathered:
     """A plan as the layer sees it without ``head_groups``: the layer hands it every head's q, k, v."""
 
+    eager, head_groups = False, None
+
     def __init__(self, plan):
         self.plan = plan
 

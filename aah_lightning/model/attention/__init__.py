@@ -1,7 +1,7 @@
 """Attention execution: one backend per module, registered by name, one plan per layer.
 
 Every backend computes the same attention, defined by ``masks.window_mask_mod`` (``0 <= q - kv < W[h]``, documents
-optional); they differ in speed and where they run. ``registry.py`` holds the interface (``Backend``, ``Plan``), the
+optional); they differ in speed and where they run. ``registry.py`` holds the interface (``Backend``, ``Plan``, the ``LayerPlan`` protocol), the
 ``auto`` rule and the fallbacks, and the plan contract ``GPT.forward`` relies on; ``planner.py`` builds and caches a
 plan per layer; ``recording.py`` wraps plans to record q, k, v (the probe). Importing this package imports
 every module in it, which registers its backends: adding a kernel is adding one file.
@@ -18,6 +18,7 @@ from aah_lightning.model.attention.registry import (
     Backend,
     BackendUnavailable,
     HeadGroups,
+    LayerPlan,
     Plan,
     backend_names,
     expand_kv,
@@ -36,6 +37,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "HeadGroups",
+    "LayerPlan",
     "Plan",
     "Recording",
     "backend_names",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from aah_lightning.model.attention.registry import expand_kv
+from aah_lightning.model.attention.registry import HeadGroups, expand_kv
 
 
 class Recording:
@@ -17,6 +17,9 @@ class Recording:
     It runs inside a compiled block too (torch.compile replays the list append after the graph; one list per layer,
     empty when the forward starts, so every layer matches the same graph), and under FSDP2 through the blocks' hooks
     like any forward."""
+
+    eager = False  # it runs wherever its layer's block runs, compiled or not
+    head_groups: HeadGroups | None = None  # it records every head: the layer computes them in their own order
 
     def __init__(self, inner):
         self.inner = inner

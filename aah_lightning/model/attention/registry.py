@@ -16,17 +16,17 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   head ``h`` reads key/value head ``h // (H / Hkv)`` (``Hkv = H`` without it). A kernel that takes fewer key/value
   heads natively is given them (SDPA's and flex's ``enable_gqa``); the others expand them (``expand_kv``). A plan may keep state (a KV cache) or record its inputs; the tensors it receives are
   the layer's own, so it must not write into them.
-* ``head_groups`` (optional, default None): a ``HeadGroups`` for a plan that runs its heads in groups, each group on
+* ``head_groups``: None, or a ``HeadGroups`` for a plan that runs its heads in groups, each group on
   its own plan (``split``, ``varlen``). The layer then computes q, k, v with the heads in the groups' ``order`` by
   reordering the rows of its projection weights, runs each group's plan on its slice of heads (a view), and adds the
   groups' outputs up through the matching columns of the output projection: no activation is gathered or scattered.
   ``plan(q, k, v)`` must still compute the whole layer's attention, for callers that hold every head's q, k, v.
-* ``eager`` (optional, default False): True makes ``GPT.forward`` run the layer's block uncompiled, as its class
+* ``eager``: True makes ``GPT.forward`` run the layer's block uncompiled, as its class
   defines it, even where ``model.gpt.compile_blocks`` compiled it - for plans whose Python state changes from call to
   call (generation's cache, the gain probe's one-head windows), which a compiled graph would guard on and recompile
   for. The block's module hooks still run (FSDP2 gathers a sharded block's weights for it).
 
-The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
+``LayerPlan`` is this contract as a typed protocol. The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
 query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same document). Diagnostics ask
 them what they cost instead of testing their type: ``tile_counts(block_size)`` (partial, full and causal tiles),
 ``pairs()`` (in-window pairs) and ``computed_pairs(block_size)`` (the pairs its kernel computes). Callers of
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -77,6 +78,17 @@ class HeadGroups:
     order: Tensor | None
     sizes: tuple[int, ...]
     parts: tuple
+
+
+@runtime_checkable
+class LayerPlan(Protocol):
+    """What ``GPT.forward`` asks of one layer's attention (the plan contract above), typed: every plan a backend builds
+    (``Plan``) and every plan a caller passes (the probe's ``Recording``, generation's, the gain probe's) has these."""
+
+    eager: bool  # True: the layer's block runs uncompiled
+    head_groups: HeadGroups | None  # set: the layer runs the groups itself
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class Plan:

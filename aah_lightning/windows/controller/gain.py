@@ -51,6 +51,7 @@ class OneHeadWindow:
     grouped-query attention only the query head's own window changes; its key/value head is read as it is."""
 
     eager = True
+    head_groups = None
 
     def __init__(self, inner, head: int, window: int, docs: Tensor | None):
         self.inner, self.head, self.window, self.docs = inner, head, window, docs
