@@ -24,6 +24,7 @@ from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig
+from helpers.modules import module_of
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "aah_lightning" / "checkpoint.py"
@@ -115,7 +116,7 @@ def test_read_checkpoint_is_weights_only_unless_told(tmp_path):
 def test_load_model_round_trip(fitted):
     """The module Lightning saved, rebuilt by load_model: the same window table and the same logits."""
     checkpoint = torch.load(fitted, weights_only=True)
-    module = AAHModule.from_checkpoint(checkpoint).eval()  # what Lightning trained, as generation rebuilt it before
+    module = module_of(checkpoint).eval()  # what Lightning trained, as generation rebuilt it before
     model, tokenizer = aah_lightning.load_model(fitted)
     assert tokenizer is None  # the synthetic task: token ids, no text
     assert not model.training and isinstance(model, aah_lightning.GPT)

@@ -15,7 +15,6 @@ from typing import Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.data.batch import seq_len_of
@@ -32,10 +31,6 @@ def host_rows(pl_module) -> list[tuple[int, ...]]:
 def host_window_table(pl_module) -> torch.Tensor:
     """The window table as a CPU int64 tensor, from the planner's host mirror."""
     return torch.tensor(host_rows(pl_module), dtype=torch.int64)
-
-
-def tensorboard(trainer) -> TensorBoardLogger | None:
-    return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
 
 
 def compute_dtype(precision) -> torch.dtype:

@@ -71,7 +71,8 @@ def prepare_model(module, compile_blocks: bool, activation_checkpointing: bool) 
         # inside attention is an error, not a silent slowdown.
         for block in gpt.blocks:
             block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
-    mesh = getattr(module, "_device_mesh", None)
+    # Set by ModelParallelStrategy before configure_model, None under the others (and absent from bare test modules).
+    mesh = getattr(module, "device_mesh", None)
     if mesh is None:
         return
     tp = mesh["tensor_parallel"].size() if "tensor_parallel" in (mesh.mesh_dim_names or ()) else 1

@@ -25,10 +25,8 @@ from aah_lightning.checkpoint import (
     HYPER_PARAMETERS_KEY,
     POLICY_KEY,
     RNG_KEY,
-    STATE_DICT_KEY,
     WINDOW_USAGE_KEY,
     check_matches,
-    hyperparameters,
     is_remote,
     read_checkpoint,
     upgrade_hyperparameters,
@@ -190,14 +188,6 @@ class AAHModule(L.LightningModule):
         self._rng_to_restore = None
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
         self.generation = GenerationConfig()  # aah predict's settings: lit/generation.GenerationWriter sets them
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint: dict) -> AAHModule:
-        """The module of a loaded checkpoint (of any hyperparameter layout): built from its hyperparameters, then given
-        its weights and window table."""
-        module = cls(**hyperparameters(checkpoint))
-        module.load_state_dict(checkpoint[STATE_DICT_KEY])
-        return module
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):

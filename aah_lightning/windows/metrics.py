@@ -30,18 +30,12 @@ from aah_lightning.model.window_math import block_density, causal_coverage, caus
 if TYPE_CHECKING:  # type hints only: the controller imports this module
     from aah_lightning.windows.controller.hierarchy import GroupTree
 
-__all__ = ["acr", "block_density", "causal_coverage", "causal_pairs", "window_fractions"]
+__all__ = ["acr", "block_density", "causal_coverage", "causal_pairs"]
 
 
 def acr(windows: Tensor, seq_len: int) -> Tensor:
     """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len``."""
     return (torch.clamp(windows.to(torch.float64), max=seq_len) / seq_len).mean()
-
-
-def window_fractions(windows: Tensor, candidates: list[int]) -> dict[int, Tensor]:
-    """Share of heads whose window equals each candidate."""
-    flat = windows.reshape(-1)
-    return {c: (flat == c).to(torch.float64).mean() for c in candidates}
 
 
 # -- per-layer values of a table ----------------------------------------------------------------------------------

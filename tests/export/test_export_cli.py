@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from aah_lightning.cli import main
 from aah_lightning.lit.checkpointing import load_checkpoint_file
+from helpers.modules import module_of
 
 EXPECTED_FILES = {
     "config.json",
@@ -73,9 +74,8 @@ def test_export_of_a_fitted_checkpoint(fitted_checkpoint, tmp_path, capsys):
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ids = torch.randint(0, 257, (2, 64))
-    from aah_lightning.lit.module import AAHModule
 
-    aah = AAHModule.from_checkpoint(ckpt).model.eval()
+    aah = module_of(ckpt).model.eval()
     with torch.no_grad():
         assert (model(ids).logits - aah(ids)).abs().max().item() <= 1e-5
 

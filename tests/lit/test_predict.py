@@ -13,6 +13,7 @@ from aah_lightning.data import prompts as prompt_data
 from aah_lightning.data.tokenizers import ByteTokenizer
 from aah_lightning.errors import ConfigError
 from helpers.cli import cli_error, run_tool, tiny_config, train_tiny
+from helpers.modules import module_of
 from helpers.tb import read_events
 
 CORPUS = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n" * 40
@@ -88,11 +89,10 @@ def test_fit_logs_val_sample_then_predict_writes_jsonl(tmp_path, text_config, ca
             "stop_at_eod": True,
         }
     # Greedy through Lightning = greedy from the checkpoint's weights directly (batch of 2 with unequal prompts).
-    from aah_lightning.lit.module import AAHModule
     from aah_lightning.model.generate import GenerationConfig, generate
 
     ckpt = torch.load(f"{tmp_path}/ckpts/last.ckpt", weights_only=True)
-    module = AAHModule.from_checkpoint(ckpt)
+    module = module_of(ckpt)
     ids = [[256, *tok.encode(r["prompt"]).tolist()] for r in rows]
     direct = generate(module.model.eval(), ids[1:], GenerationConfig(max_new_tokens=7, temperature=0), 256)
     assert tok.decode(direct[0].tokens) == rows[1]["completion"]

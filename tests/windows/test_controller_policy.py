@@ -269,7 +269,10 @@ def test_diagnostics_read_the_decision_from_the_policy_and_from_its_checkpointed
         trees = report.trees
         assert [t.levels for t in trees] == [h.levels for h in policy.hierarchies]
         assert [t.windows for t in trees] == policy.group_windows
-        assert diagnostics.group_stats(trees) == (policy.levels_used(), policy.group_counts())
+        assert diagnostics.group_stats(trees) == (
+            [h.levels_used for h in policy.hierarchies],
+            [h.group_counts for h in policy.hierarchies],
+        )
         assert report.last_step == 7 and report.candidates == CANDS
     assert [t.windows[0] for t in policy.report().trees] == [
         [int(table[layer, g[0]]) for g in policy.hierarchies[layer].levels[0]] for layer in range(2)

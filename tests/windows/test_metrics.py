@@ -36,8 +36,3 @@ def test_causal_pairs_counts_by_hand():
     # T=5, W=2: query 0 sees 1 key, queries 1..4 see 2 -> 9 pairs; full causal 15
     assert float(metrics.causal_pairs(torch.tensor(2), 5)) == 9
     assert float(metrics.causal_coverage(torch.tensor([[2, 5]]), 5)) == pytest.approx((9 + 15) / 30)
-
-
-def test_window_fractions():
-    fr = metrics.window_fractions(torch.tensor([[1, 2, 2, 4]]), [1, 2, 4, 8])
-    assert {k: float(v) for k, v in fr.items()} == {1: 0.25, 2: 0.5, 4: 0.25, 8: 0.0}

@@ -361,14 +361,6 @@ class AdaptivePolicy(WindowPolicy):
         return cluster_heads(d, c.threshold, c.min_group_size, c.max_groups, previous, c.hysteresis)
 
     # -- for callbacks -----------------------------------------------------------------------------------------------
-    def levels_used(self) -> list[int]:
-        """Hierarchy levels of each layer at the last decision (0 before the first)."""
-        return [h.levels_used if h is not None else 0 for h in self.hierarchies]
-
-    def group_counts(self) -> list[list[int]]:
-        """Groups per level of each layer at the last decision."""
-        return [h.group_counts if h is not None else [] for h in self.hierarchies]
-
     def report(self) -> PolicyReport:
         out = _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
         out.need, out.need_signal = self.last_need, self.ctl.signal

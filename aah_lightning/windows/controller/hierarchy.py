@@ -34,10 +34,6 @@ class Hierarchy:
         owner = {h: p for p, group in enumerate(self.levels[level + 1]) for h in group}
         return [owner[group[0]] for group in self.levels[level]]
 
-    def children(self, level: int, parent: int) -> list[int]:
-        """Indices of the ``level`` groups under group ``parent`` of ``level + 1``."""
-        return [c for c, p in enumerate(self.parents(level)) if p == parent]
-
     def to_state(self) -> list:
         return [[list(g) for g in level] for level in self.levels]
 
