@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 
 from aah_lightning.cli import main
+from aah_lightning.lit import diagnostics
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import TableScalars, WindowDiagnostics
 from aah_lightning.lit.module import AAHModule
@@ -336,3 +337,20 @@ def test_why_the_controller_chose_reaches_tensorboard(tmp_path, tiny_args):
                 need = scalars[f"aah/need/layer_{layer}/head_{head}/{w}"]
                 assert sorted(s for s, _ in need) == [1, 3, 5, 7]  # the steps after each decision (0, 2, 4, 6)
     assert all(v == 0.0 for _, v in scalars["aah/need/layer_0/head_1/4"])  # gains are relative to the narrowest
+
+
+def test_every_tag_a_diagnostic_writes_is_documented():
+    """Each part of the window diagnostics names its tags (``tags``); docs/tensorboard.md documents every one, a
+    ``/layer_<l>`` variant in the row of per-layer values."""
+    import inspect
+    import pathlib
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "tensorboard.md").read_text()
+    per_layer_row = next(line for line in page.splitlines() if line.startswith("| `<tag>/layer_<l>`"))
+    parts = [c for _, c in inspect.getmembers(diagnostics, inspect.isclass) if "tags" in vars(c)]
+    assert len(parts) >= 6
+    for part in parts:
+        for tag in part.tags:
+            base = tag.removesuffix("/layer_<l>")
+            documented = f"`{tag}`" in page or (base != tag and f"`{base}`" in per_layer_row)
+            assert documented, f"{part.__name__} writes {tag}, which docs/tensorboard.md does not document"
