@@ -66,7 +66,7 @@ def flex_plan(row: torch.Tensor, seq_len: int, device) -> FlexPlan:
 
 
 # -- (a) attention kernels -------------------------------------------------------------------------------------------
-def section_a(args, device, dtype) -> str:
+def attention_kernels(args, device, dtype) -> str:
     rows_train, rows_infer = [], []
     H, D, B = args.heads, 64, args.batch
     for T in args.seq_lens:
@@ -206,7 +206,7 @@ def section_a(args, device, dtype) -> str:
 
 
 # -- (b) training step ----------------------------------------------------------------------------------------------
-def section_b(args, device, dtype) -> tuple[str, float]:
+def training_step(args, device, dtype) -> tuple[str, float]:
     T, B = args.train_seq_len, args.train_batch
     runs = {"full causal": (None, "auto"), "AAH": ("aah", "auto")}
     if device.type == "cpu":
@@ -247,7 +247,7 @@ def section_b(args, device, dtype) -> tuple[str, float]:
 
 
 # -- (c) controller overhead -----------------------------------------------------------------------------------------
-def section_c(args, device, dtype, step_ms: float | None) -> str:
+def controller_overhead(args, device, dtype, step_ms: float | None) -> str:
     title = "(c) controller overhead, control_interval 50"
     try:
         import aah_lightning.windows.controller  # noqa: F401
@@ -297,7 +297,7 @@ def section_c(args, device, dtype, step_ms: float | None) -> str:
 
 
 # -- (d) mask rebuild -------------------------------------------------------------------------------------------------
-def section_d(args, device) -> str:
+def mask_rebuild(args, device) -> str:
     T, L, H = 4096, 12, 12
     g = torch.Generator().manual_seed(0)
     cands = torch.tensor(default_candidates(T), dtype=torch.int32)
@@ -338,7 +338,7 @@ class _Gathered:
         return self.plan(q, k, v)
 
 
-def section_f(args, device, dtype) -> str:
+def heads_in_groups(args, device, dtype) -> str:
     from aah_lightning.model import gpt
     from aah_lightning.model.config import GPTConfig
 
@@ -398,7 +398,7 @@ def section_f(args, device, dtype) -> str:
 
 
 # -- (e) recompiles --------------------------------------------------------------------------------------------------
-def section_e(args, device, dtype) -> str:
+def recompiles(args, device, dtype) -> str:
     from torch._dynamo.utils import counters
 
     T = args.recompile_seq_len
@@ -488,18 +488,18 @@ def main(argv=None) -> None:
     compiled_flex_attention()
     step_ms = None
     if "a" in args.sections:
-        emit(section_a(args, device, dtype))
+        emit(attention_kernels(args, device, dtype))
     if "b" in args.sections:
-        text, step_ms = section_b(args, device, dtype)
+        text, step_ms = training_step(args, device, dtype)
         emit(text)
     if "c" in args.sections:
-        emit(section_c(args, device, dtype, step_ms))
+        emit(controller_overhead(args, device, dtype, step_ms))
     if "d" in args.sections:
-        emit(section_d(args, device))
+        emit(mask_rebuild(args, device))
     if "e" in args.sections:
-        emit(section_e(args, device, dtype))
+        emit(recompiles(args, device, dtype))
     if "f" in args.sections:
-        emit(section_f(args, device, dtype))
+        emit(heads_in_groups(args, device, dtype))
     if SUMMARY:
         emit(md_table("targets", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")

@@ -102,7 +102,7 @@ def decide(policy, seed=0):
     )
     inner.measure = lambda model, tokens, doc_ids=None: x
     batch = {"tokens": torch.zeros(1, policy.seq_len + 1, dtype=torch.long)}
-    step = inner.ctl.warmup_steps
+    step = inner.settings.warmup_steps
     table = policy.on_train_step(step, None, batch)
     assert inner.last_step == step
     return table if table is not None else policy.initial_table()

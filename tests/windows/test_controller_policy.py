@@ -167,7 +167,7 @@ def test_settings_travel_as_plain_dicts():
     again = AAHConfig(**asdict(aah))
     assert again == aah and isinstance(again.controller, ControllerConfig)
     module = AAHModule(gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T), aah=asdict(aah))
-    assert isinstance(module.policy, AdaptivePolicy) and module.policy.ctl.depth == 3
+    assert isinstance(module.policy, AdaptivePolicy) and module.policy.settings.depth == 3
     assert module.hparams["aah"]["controller"]["target_acr"] == 0.4
 
 

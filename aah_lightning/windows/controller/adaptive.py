@@ -23,7 +23,7 @@ from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics
 from aah_lightning.windows.config import AAHConfig
-from aah_lightning.windows.controller import features as feats
+from aah_lightning.windows.controller import features
 from aah_lightning.windows.controller.allocators import LayerInputs, window_costs
 from aah_lightning.windows.controller.budget import RunSpend, allocate_within_budget
 from aah_lightning.windows.controller.gain import run_gain_probe
@@ -50,14 +50,16 @@ class AdaptivePolicy(WindowPolicy):
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
-        self.ctl = cfg.controller
-        self.layout = feats.FeatureLayout(len(self.candidates))
-        self.allocator = make_allocator(self.ctl, n_layer, self.candidates, cfg.seed)
-        self.budget = self.ctl.budget()  # (measure, per-head target) or None
+        self.settings = cfg.controller
+        self.layout = features.FeatureLayout(len(self.candidates))
+        self.allocator = make_allocator(self.settings, n_layer, self.candidates, cfg.seed)
+        self.budget = self.settings.budget()  # (measure, per-head target) or None
         self.costs = None if self.budget is None else window_costs(self.candidates, seq_len, self.budget[0])
         self.run_steps: int | None = None  # the run's length, for budget_over_run (set_run_length)
         # Level l of the hierarchy is cut at threshold * growth**l.
-        self.thresholds = [self.ctl.threshold * self.ctl.threshold_growth**lvl for lvl in range(self.ctl.depth)]
+        self.thresholds = [
+            self.settings.threshold * self.settings.threshold_growth**lvl for lvl in range(self.settings.depth)
+        ]
         # Controller state (all of it in state_dict).
         self.probe_generator = torch.Generator().manual_seed(cfg.seed)
         self.partition_generator = torch.Generator().manual_seed(cfg.seed + 1)
@@ -71,7 +73,7 @@ class AdaptivePolicy(WindowPolicy):
         self.decisions = 0
         self.last_coverage: Tensor | None = None
         # Reach first: the explorers' window, and the need signal that decided the last table ([L, H, K]).
-        self.explore_index = self.candidates.index(self.ctl.explore_window or self.candidates[-1])
+        self.explore_index = self.candidates.index(self.settings.explore_window or self.candidates[-1])
         self.gain_ema: Tensor | None = None
         self.gain_se2_ema: Tensor | None = None  # its squared standard error (of moving from the table in force)
         self.last_need: Tensor | None = None
@@ -83,9 +85,9 @@ class AdaptivePolicy(WindowPolicy):
 
     def initial_table(self) -> Tensor:
         """Full context until the first decision; with explorers (reach first), the explorer table from step 0."""
-        if not self.ctl.explorers:
+        if not self.settings.explorers:
             return super().initial_table()
-        if self.ctl.formation_fill == "even":
+        if self.settings.formation_fill == "even":
             return self.explorer_table(self.even_fill(self.budget[1]))
         return self.explorer_table()
 
@@ -93,7 +95,7 @@ class AdaptivePolicy(WindowPolicy):
         """Heads ``0 .. explorers - 1`` of every layer at ``explore_window``, every other head at ``fill`` (default
         the narrowest candidate)."""
         table = torch.full((self.n_layer, self.n_head), fill or self.candidates[0], dtype=torch.int32)
-        table[:, : self.ctl.explorers] = self.candidates[self.explore_index]
+        table[:, : self.settings.explorers] = self.candidates[self.explore_index]
         return table
 
     def even_fill(self, ceiling: float) -> int:
@@ -104,11 +106,11 @@ class AdaptivePolicy(WindowPolicy):
 
     def forming(self, step: int) -> bool:
         """Whether the explorers still hold their reach at ``step``."""
-        return self.ctl.explorers > 0 and step < self.ctl.formation_steps
+        return self.settings.explorers > 0 and step < self.settings.formation_steps
 
     # -- schedule ----------------------------------------------------------------------------------------------------
     def is_control_step(self, step: int) -> bool:
-        c = self.ctl
+        c = self.settings
         if step < c.warmup_steps or (c.freeze_after is not None and step > c.freeze_after):
             return False
         return (step - c.warmup_steps) % c.control_interval == 0
@@ -118,7 +120,7 @@ class AdaptivePolicy(WindowPolicy):
             return None
         tokens, targets, docs = split_batch(batch)
         previous = self.table
-        if self.ctl.signal == "gain":
+        if self.settings.signal == "gain":
             x = self.measure_gain(model, tokens, targets, docs, batch.get("loss_mask"))
         else:
             x = self.measure(model, tokens, docs)
@@ -134,11 +136,11 @@ class AdaptivePolicy(WindowPolicy):
             model,
             tokens,
             doc_ids,
-            n_sequences=self.ctl.probe_sequences,
-            n_queries=self.ctl.probe_queries,
+            n_sequences=self.settings.probe_sequences,
+            n_queries=self.settings.probe_queries,
             generator=self.probe_generator,
         )
-        return self._rank_mean(feats.probe_features(probe, self.candidates))
+        return self._rank_mean(features.probe_features(probe, self.candidates))
 
     def _rank_mean(self, x: Tensor, extra_se2: slice | None = None) -> Tensor:
         """Packed features (and gains) averaged over ranks, float64 on CPU: every rank decides on the same numbers."""
@@ -161,11 +163,11 @@ class AdaptivePolicy(WindowPolicy):
             doc_ids,
             loss_mask,
             self.candidates,
-            n_sequences=self.ctl.probe_sequences,
-            n_queries=self.ctl.probe_queries,
+            n_sequences=self.settings.probe_sequences,
+            n_queries=self.settings.probe_queries,
             generator=self.probe_generator,
         )
-        x = feats.probe_features(probe, self.candidates)
+        x = features.probe_features(probe, self.candidates)
         k, f = len(self.candidates), x.shape[-1]
         packed = torch.cat([x, gain.to(x), se2.to(x)], dim=-1)
         return self._rank_mean(packed, slice(f + k, f + 2 * k))
@@ -173,7 +175,7 @@ class AdaptivePolicy(WindowPolicy):
     def split_gain(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Packed probe features, gain and gain squared standard error (None, None for the mass signal)."""
         k = len(self.candidates)
-        if self.ctl.signal != "gain" or x.shape[-1] < self.layout.packed_size + 2 * k:
+        if self.settings.signal != "gain" or x.shape[-1] < self.layout.packed_size + 2 * k:
             return x, None, None
         f = x.shape[-1] - 2 * k
         return x[..., :f], x[..., f : f + k], x[..., f + k :]
@@ -187,7 +189,7 @@ class AdaptivePolicy(WindowPolicy):
     # -- deciding ----------------------------------------------------------------------------------------------------
     def decide(self, x: Tensor, step: int) -> Tensor:
         """One control decision from this step's rank-averaged features ``x`` ``[L, H, F]``: the new table."""
-        c = self.ctl
+        c = self.settings
         x, gain, gain_se2 = self.split_gain(x.to(torch.float64))
         noise = self.profile_noise(x)
         x = x[..., : self.layout.size]
@@ -213,7 +215,9 @@ class AdaptivePolicy(WindowPolicy):
         ceiling = self.ceiling(step)
         inputs = []
         for layer in range(self.n_layer):
-            z = feats.clustering_matrix(self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor)
+            z = features.clustering_matrix(
+                self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor
+            )
             d = pairwise_distances(z, c.metric)
             level0 = self._level0(layer, d)
             if forming:  # an explorer is a group of its own: its floor must not drag other heads to its window
@@ -277,7 +281,7 @@ class AdaptivePolicy(WindowPolicy):
     def settle_bands(self, noise: Tensor) -> Tensor:
         """How much kept mass a move must gain, per head and candidate ``[H, K]``: ``settle_margin``, or
         ``SETTLE_SIGMAS`` standard errors of the probe's estimate where that is more; 0 when settling is off."""
-        margin = self.ctl.settle_margin
+        margin = self.settings.settle_margin
         if margin <= 0:
             return torch.zeros_like(noise)
         return torch.clamp(SETTLE_SIGMAS * noise, min=margin)
@@ -287,10 +291,12 @@ class AdaptivePolicy(WindowPolicy):
         stays: it still fits the ceiling, and the proposal keeps no more attention mass than the moved heads need
         to gain, each ``settle_margin`` or ``SETTLE_SIGMAS`` standard errors of its gain's estimate where that is
         more. The proposal is the exact optimum, so it never keeps less mass than the table in force."""
-        margin = self.ctl.settle_margin
+        margin = self.settings.settle_margin
         if margin <= 0:
             return []
-        units = [list(range(self.n_layer))] if self.ctl.budget_scope == "model" else [[i] for i in range(self.n_layer)]
+        units = (
+            [list(range(self.n_layer))] if self.settings.budget_scope == "model" else [[i] for i in range(self.n_layer)]
+        )
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         kept = []
         for layers in units:
@@ -317,7 +323,7 @@ class AdaptivePolicy(WindowPolicy):
         the run may spend on average so that the run's mean meets the target."""
         if self.budget is None:
             return None
-        if not self.ctl.budget_over_run:
+        if not self.settings.budget_over_run:
             return self.budget[1]
         return self.spend.ceiling(self.budget[1], step, self.run_steps, float(self.costs[0]))
 
@@ -325,20 +331,20 @@ class AdaptivePolicy(WindowPolicy):
         """The run's number of optimizer steps (the LightningModule calls this when training starts). With
         ``budget_over_run``, a target the run cannot meet is an error now, before any step."""
         self.run_steps = int(total_steps)
-        if self.budget is None or not self.ctl.budget_over_run or self.decisions:  # a resumed run was checked
+        if self.budget is None or not self.settings.budget_over_run or self.decisions:  # a resumed run was checked
             return
         measure, target = self.budget
-        w = min(self.ctl.warmup_steps, self.run_steps)
+        w = min(self.settings.warmup_steps, self.run_steps)
         paid = self.spend.paid_before(w)
-        if self.ctl.explorers:  # the explorers hold their reach until formation ends, whatever the budget
-            w = min(max(w, self.ctl.formation_steps), self.run_steps)
+        if self.settings.explorers:  # the explorers hold their reach until formation ends, whatever the budget
+            w = min(max(w, self.settings.formation_steps), self.run_steps)
             paid = w * self.table_cost(self.explorer_table())
         least = (paid + (self.run_steps - w) * float(self.costs[0])) / self.run_steps
         if least > target + 1e-9:
             name = "target_acr" if measure == "acr" else "target_causal_coverage"
             start = (
                 f"{w} steps of explorers (formation_steps) beside the smallest candidate"
-                if self.ctl.explorers
+                if self.settings.explorers
                 else f"{w} warmup steps at full context"
             )
             raise ConfigError(
@@ -348,7 +354,7 @@ class AdaptivePolicy(WindowPolicy):
             )
 
     def _level0(self, layer: int, d: Tensor) -> Partition:
-        c = self.ctl
+        c = self.settings
         if c.grouping == "none":
             return singletons(self.n_head)
         if c.grouping == "fixed_random":
@@ -363,7 +369,7 @@ class AdaptivePolicy(WindowPolicy):
     # -- for callbacks -----------------------------------------------------------------------------------------------
     def report(self) -> PolicyReport:
         out = _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
-        out.need, out.need_signal = self.last_need, self.ctl.signal
+        out.need, out.need_signal = self.last_need, self.settings.signal
         return out
 
     @classmethod

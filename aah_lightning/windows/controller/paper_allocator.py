@@ -83,8 +83,8 @@ class PaperAllocator:
         self.layers = [init_layer(n_candidates, g) for _ in range(n_layer)]
 
     @classmethod
-    def for_policy(cls, ctl, n_layer: int, candidates: list[int], seed: int) -> PaperAllocator:
-        return cls(n_layer, len(candidates), seed, joint=ctl.paper_joint_scorer)
+    def for_policy(cls, settings, n_layer: int, candidates: list[int], seed: int) -> PaperAllocator:
+        return cls(n_layer, len(candidates), seed, joint=settings.paper_joint_scorer)
 
     # -- inputs --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -97,14 +97,14 @@ class PaperAllocator:
     def enriched_inputs(inputs: LayerInputs) -> list[Tensor]:
         """Per level, the 29-number inputs ``[n_groups, 29]`` of every group."""
         h = inputs.hierarchy
-        feats = PaperAllocator.level_features(inputs)
+        per_level = PaperAllocator.level_features(inputs)
         top = len(h.levels) - 1
         out = []
-        for level, x in enumerate(feats):
+        for level, x in enumerate(per_level):
             n = x.shape[0]
             scalar = torch.full((n, 1), level / max(1, top), dtype=torch.float64)
             if level < top:
-                parent_diff = x - feats[level + 1][h.parents(level)]
+                parent_diff = x - per_level[level + 1][h.parents(level)]
             else:
                 parent_diff = torch.zeros_like(x)
             offset = x - x.mean(0, keepdim=True)

@@ -1,7 +1,7 @@
 """The allocators ``model.aah.controller.allocator`` may name.
 
 An entry is either a plain function ``(LayerInputs) -> list[list[int]]`` (stateless, like ``reach``) or a class with
-a ``for_policy(ctl, n_layer, candidates, seed)`` constructor and ``state_dict`` / ``load_state_dict`` (its state is
+a ``for_policy(settings, n_layer, candidates, seed)`` constructor and ``state_dict`` / ``load_state_dict`` (its state is
 checkpointed with the policy, like ``paper``'s fixed random networks); ``make_allocator`` builds either.
 """
 
@@ -17,7 +17,7 @@ Allocator = Callable[[LayerInputs], list[list[int]]]
 ALLOCATORS: dict[str, Allocator | type] = {"reach": reach_allocator, "paper": PaperAllocator}
 
 
-def make_allocator(ctl, n_layer: int, candidates: list[int], seed: int) -> Allocator:
-    """The allocator ``ctl.allocator`` names, built for a policy of ``n_layer`` layers (seeded by ``seed``)."""
-    entry = ALLOCATORS[ctl.allocator]
-    return entry.for_policy(ctl, n_layer, candidates, seed) if isinstance(entry, type) else entry
+def make_allocator(settings, n_layer: int, candidates: list[int], seed: int) -> Allocator:
+    """The allocator ``settings.allocator`` names, built for a policy of ``n_layer`` layers (seeded by ``seed``)."""
+    entry = ALLOCATORS[settings.allocator]
+    return entry.for_policy(settings, n_layer, candidates, seed) if isinstance(entry, type) else entry
