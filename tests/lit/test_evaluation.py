@@ -100,9 +100,21 @@ def test_a_checkpoint_loaded_at_twice_its_length_keeps_full_heads_full():
     assert loaded_windows(small, static_module(128, full_heads_beyond_trained="trained_span")) == [[64, 8], [16, 64]]
 
 
+class ReferencePlan:
+    """One layer's float64 reference attention at its windows, as a plan (the ``LayerPlan`` contract)."""
+
+    eager, head_groups = False, None
+
+    def __init__(self, row: list[int]):
+        self.row = row
+
+    def __call__(self, q, k, v):
+        return reference_attention(q, k, v, self.row).to(q.dtype)
+
+
 def reference_forward(model: GPT, idx: torch.Tensor, monkeypatch) -> torch.Tensor:
     """The model's forward with every layer's plan replaced by the float64 reference of its windows."""
-    plans = [lambda q, k, v, row=row: reference_attention(q, k, v, row).to(q.dtype) for row in model.windows.tolist()]
+    plans = [ReferencePlan(row) for row in model.windows.tolist()]
     with monkeypatch.context() as m:
         m.setattr(model, "attention_plans", lambda *args, **kwargs: plans)
         return model(idx)
