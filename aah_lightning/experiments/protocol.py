@@ -55,9 +55,10 @@ def learned(rec: dict, reach: int | None = None) -> bool:
 
 
 def reach(by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict]) -> dict[str, int | None]:
-    """Per row, the farthest distance its budget can buy: the widest window of the oracle's final tables at the
-    same target ACR (None without an oracle row, meaning every distance). A budget whose widest affordable window
-    is shorter than the context cannot recall past it, whatever spends it, so "learned" is judged within it."""
+    """Per row, the farthest distance its budget buys a table held for the whole run: the widest window of the
+    oracle's final tables at the same target ACR (None without an oracle row, meaning every distance). Where that is
+    shorter than the context, no fixed table at this budget recalls past it, so "learned" is judged within it, for
+    every row of the budget alike (a controller that underspends early may still reach further later)."""
     widest: dict[str, int] = {}
     for (r, _seed), h in heads.items():
         m = FRONTIER_ROW.match(r)
@@ -143,8 +144,8 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
     within = reach({r: by_row.get(r) or [] for r in rows}, heads)
     lines = [
         f"Seeds that learned: final recall >= {LEARNED} over the distances within reach, the widest window of the "
-        "oracle's table at the same budget (all: every distance; a budget that cannot buy a window as long as the "
-        f"context cannot recall past the window it can buy, whatever spends it). Far recall: mean over the distance "
+        "oracle's table at the same budget (all: every distance; where a table held for the whole run cannot be as "
+        f"wide as the context, every row of that budget is judged within the oracle's reach). Far recall: mean over the distance "
         f"buckets past {FAR} tokens, of the seeds that learned. Long head: the layer holding the final table's widest "
         "window, per seed.",
         "",
