@@ -8,8 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 import sysconfig
 
 import numpy as np
@@ -30,6 +28,7 @@ from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.window_math import kv_group_windows
 from helpers.cli import REPO
 from helpers.hf_models import save_tiny, save_tokenizer
+from helpers.lm_eval import run_lm_eval
 
 # Llama 3-like: 2 key/value heads for 4 query heads, SwiGLU, RMSNorm, untied output, q/k/v biases, llama3 RoPE scaling.
 GQA = dict(
@@ -298,30 +297,7 @@ def own_loglikelihood(model, head: list[int], continuation: list[int]) -> float:
 @pytest.mark.heavy  # an lm-eval subprocess: ~20 s on an idle 2-core machine
 def test_lm_eval_runs_the_retrofitted_export_with_aahs_own_scores(retrofitted, tmp_path):
     out = tmp_path / "results"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lm_eval",
-        "--model",
-        "hf",
-        "--model_args",
-        f"pretrained={retrofitted['export']},trust_remote_code=True",
-        "--include_path",
-        os.path.dirname(task.TASK_DIR),
-        "--tasks",
-        "aah_python_next_line",
-        "--limit",
-        "8",
-        "--device",
-        "cpu",
-        "--batch_size",
-        "16",
-        "--log_samples",
-        "--output_path",
-        str(out),
-    ]
-    done = subprocess.run(cmd, cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_lm_eval(retrofitted["export"], out, tmp_path, limit=8)
     results = json.load(open(glob.glob(str(out / "*" / "results_*.json"))[0]))
     assert results["max_length"] == T
     samples = [json.loads(x) for x in open(glob.glob(str(out / "*" / "samples_aah_python_next_line_*.jsonl"))[0])]

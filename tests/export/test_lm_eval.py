@@ -7,8 +7,6 @@ import glob
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,9 +15,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from aah_lightning.export import next_line_task as task
+from helpers.lm_eval import run_lm_eval
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TASKS = os.path.dirname(task.TASK_DIR)
 
 
 def read_jsonl(path) -> list[dict]:
@@ -111,30 +109,7 @@ def own_scorer(model):
 def test_lm_eval_runs_the_export_offline_with_the_models_own_scores(exported, make_module, tmp_path):
     folder = exported(make_module(seed=0, n_layer=2, seq_len=256, noise=0.05), name="for_lm_eval")
     out = tmp_path / "results"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lm_eval",
-        "--model",
-        "hf",
-        "--model_args",
-        f"pretrained={folder},trust_remote_code=True",
-        "--include_path",
-        TASKS,
-        "--tasks",
-        "aah_python_next_line",
-        "--limit",
-        "12",
-        "--device",
-        "cpu",
-        "--batch_size",
-        "16",
-        "--log_samples",
-        "--output_path",
-        str(out),
-    ]
-    done = subprocess.run(cmd, cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_lm_eval(folder, out, tmp_path, limit=12)
     assert "aah_python_next_line" in done.stdout and "acc_mutual_info" in done.stdout
 
     results = json.load(open(glob.glob(str(out / "*" / "results_*.json"))[0]))
