@@ -6,6 +6,7 @@ resume of such a run is exact; the recipe configs run."""
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import asdict
 
@@ -257,26 +258,32 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
     assert float((table.clamp(max=24).double() / 24).mean()) <= target + 1e-9
 
 
-def test_the_recall_recipe_parses_on_the_recall_base(capsys):
+RETROFIT_ROWS = sorted(glob.glob(f"{REPO}/configs/retrofit/recall/*.yaml"))
+
+
+@pytest.mark.parametrize("row", [p for p in RETROFIT_ROWS if not p.endswith("base.yaml")], ids=os.path.basename)
+def test_the_recall_retrofit_rows_parse_as_the_recall_task(row, capsys):
+    """configs/retrofit/recall: every row is a short fine-tune from a recall baseline, with the recall task's model
+    and data settings (the source's shapes: a difference would be refused at start) and the row's policy."""
+    base = f"{REPO}/configs/retrofit/recall/base.yaml"
     with pytest.raises(SystemExit) as done:
-        main(
-            [
-                "fit",
-                "--config",
-                f"{REPO}/configs/recall/base.yaml",
-                "--config",
-                f"{REPO}/configs/retrofit/recall_acr0.25.yaml",
-                "--print_config",
-            ]
-        )
+        main(["fit", "--config", base, "--config", row, "--print_config"])
     assert done.value.code == 0
     config = yaml.safe_load(capsys.readouterr().out)
-    model = config["model"]
-    assert model["init_from"] == "runs/recall/baseline/checkpoints/last.ckpt"  # configs/recall/baseline.yaml's
-    controller = model["aah"]["controller"]
-    assert (model["aah"]["policy"], controller["signal"], controller["budget_scope"]) == ("adaptive", "gain", "model")
-    assert controller["warmup_steps"] == 0 and controller["target_acr"] == 0.25
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", f"{REPO}/configs/recall/base.yaml", "--print_config"])
+    recall = yaml.safe_load(capsys.readouterr().out)
+    assert config["data"] == recall["data"]
+    assert config["model"]["gpt"] == recall["model"]["gpt"]
+    assert config["model"]["init_from"] == "runs/recall/baseline/checkpoints/last.ckpt"  # configs/recall/baseline's
     assert config["trainer"]["max_steps"] <= 500
+    aah = config["model"]["aah"]
+    name = os.path.basename(row)[:-5]
+    if name.startswith("gain"):
+        controller = aah["controller"]
+        assert (aah["policy"], controller["signal"], controller["budget_scope"]) == ("adaptive", "gain", "model")
+        assert controller["warmup_steps"] == 0 and controller["target_acr"] == float(name.split("acr")[1])
+        assert controller["reach_heads"] == (1 if name.startswith("gain_reach") else 0)
 
 
 def test_a_padded_vocabulary_keeps_its_rows_through_the_fine_tune(tmp_path, tiny_args, capsys):

@@ -13,6 +13,9 @@ are skipped when the suite is started again, and a run stopped part-way resumes 
 baseline row), ``val_loss_vs_acr.png`` and ``val_loss_curves.png`` (validation loss against step per row), and
 ``positions.md`` (the last validation's loss by position bucket per row).
 
+Arguments after ``--`` go to every run; ``{seed}`` in them is the run's seed, so that each run of a retrofit starts
+from its own seed's source: ``-- --model.init_from=runs/recall10/baseline/seed{seed}/checkpoints/last.ckpt``.
+
 ``--eval-seq-lens 2048 4096`` also validates each finished run's last checkpoint at those sequence lengths (``aah
 validate --data.seq_len L``: RoPE at any length, heads that saw the whole trained context keep the whole context),
 logged to ``<run>/eval/seq<L>/``; their losses join the records and ``positions.md``. Rows named
@@ -76,8 +79,13 @@ def fit_command(rows_dir: str, row_path: str, seed: int, out: str, extra: list[s
         "--trainer.logger.init_args.version=logs",
         f"--checkpoint.dirpath={checkpoint_dir(rd)}",
         "--trainer.enable_progress_bar=false",
-        *extra,
+        *per_seed(extra, seed),
     ]
+
+
+def per_seed(extra: list[str], seed: int) -> list[str]:
+    """The extra arguments with every ``{seed}`` replaced by the run's seed (a retrofit's source per seed)."""
+    return [a.replace("{seed}", str(seed)) for a in extra]
 
 
 def validate_command(
@@ -104,7 +112,7 @@ def validate_command(
         "--trainer.logger.init_args.version=logs",
         f"--checkpoint.dirpath={checkpoint_dir(rd)}",
         "--trainer.enable_progress_bar=false",
-        *extra,
+        *per_seed(extra, seed),
         f"--data.seq_len={seq_len}",
         f"--ckpt_path={os.path.join(checkpoint_dir(rd), 'last.ckpt')}",
         *(["--model.gpt.full_heads_beyond_trained=trained_span"] if trained_span else []),
@@ -138,7 +146,9 @@ def main(argv=None) -> None:
         action="store_true",
         help="validate at each --eval-seq-lens length a second time with full heads held to the trained length",
     )
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit")
+    p.add_argument(
+        "extra", nargs=argparse.REMAINDER, help="after --: extra arguments for every aah fit ({seed}: its seed)"
+    )
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
 

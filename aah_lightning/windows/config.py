@@ -63,8 +63,8 @@ class ControllerConfig:
         reuse_groups: keep the level-0 partition of the first decision; keep re-allocating windows.
         signal: what a head's need for each candidate window is measured by (docs/controller.md, "Need signals"):
             ``mass`` (the paper's statistics: the share of its full-causal attention mass inside the window) or
-            ``gain`` (counterfactual: the first-order loss decrease of giving the head that window, measured on the
-            probe sequences with the gradient of the loss at the head's output; budget only, ``allocator: reach``).
+            ``gain`` (counterfactual: the loss decrease of giving the head that window, measured by running the probe
+            sequences with that one head's window changed; budget only, ``allocator: reach``).
         explorers: reach first: this many heads of every layer (heads ``0 .. explorers - 1``; at initialisation every
             head is alike) hold ``explore_window`` from step 0 until ``formation_steps``, whatever the signal says,
             so that a head that needs context can learn to use it before need is measured. 0 = off. Budget only.
@@ -74,6 +74,14 @@ class ControllerConfig:
         formation_fill: the other heads' windows while the explorers form: ``knapsack`` (chosen by the signal at
             every decision, from step 0) or ``even`` (one window for all of them, the widest the budget leaves; the
             signal is measured and smoothed but allocates nothing until formation ends).
+        reach_heads: keep reach: at every decision (after formation), this many heads of each budget unit (the whole
+            model with ``budget_scope: model``, else each layer) hold ``reach_window``: the heads whose smoothed need
+            at that window is largest. The knapsack places the rest of the budget around them. A skill spread over
+            several heads is worth little in any one head alone, so an additive knapsack may narrow them all below
+            the reach the task needs; this keeps one head able to reach and lets the signal say which. 0 = off.
+            Budget only.
+        reach_window: the window the ``reach_heads`` hold (None = the widest candidate they can hold beside every
+            other head of their unit at the narrowest candidate, within the decision's ceiling).
     """
 
     probe_sequences: int = 2
@@ -108,6 +116,8 @@ class ControllerConfig:
     explore_window: Optional[int] = None
     formation_steps: int = 0
     formation_fill: str = "knapsack"
+    reach_heads: int = 0
+    reach_window: Optional[int] = None
 
     def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
         key = "model.aah.controller."
@@ -201,7 +211,23 @@ class ControllerConfig:
         require(
             self.formation_fill in ("knapsack", "even"), key + "formation_fill", self.formation_fill, "knapsack or even"
         )
-        for name, on in (("signal", self.signal == "gain"), ("explorers", self.explorers > 0)):
+        require(
+            isinstance(self.reach_heads, int) and 0 <= self.reach_heads <= n_head,
+            key + "reach_heads",
+            self.reach_heads,
+            f"an integer in [0, n_head={n_head}] (0 = off)",
+        )
+        require(
+            self.reach_window is None or self.reach_window in candidates,
+            key + "reach_window",
+            self.reach_window,
+            f"None (the widest the budget affords) or one of the candidates {candidates}",
+        )
+        for name, on in (
+            ("signal", self.signal == "gain"),
+            ("explorers", self.explorers > 0),
+            ("reach_heads", self.reach_heads > 0),
+        ):
             require(
                 not on or self.budget() is not None,
                 key + name,

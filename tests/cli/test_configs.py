@@ -80,7 +80,10 @@ def _merged(*paths):
 
 
 ROWS = sorted(
-    p for folder in ("recall", "copy") for p in glob.glob(f"{REPO}/configs/{folder}/*.yaml") if "base.yaml" not in p
+    p
+    for folder in ("recall", "copy", "retrofit/recall")
+    for p in glob.glob(f"{REPO}/configs/{folder}/*.yaml")
+    if "base.yaml" not in p
 )
 
 

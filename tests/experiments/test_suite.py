@@ -197,6 +197,22 @@ def test_micro_suite_writes_the_table_of_the_real_runs(tmp_path, capsys):
     assert float(again["val_loss"]) == pytest.approx(loss["baseline"][0], rel=1e-6)
 
 
+def test_seed_in_the_extra_arguments_is_each_runs_own(tmp_path, capsys):
+    """A retrofit suite starts every seed from its own source: ``{seed}`` after ``--`` is the run's seed."""
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    (rows_dir / "base.yaml").write_text(BASE)
+    (rows_dir / "baseline.yaml").write_text(ROWS["baseline"])
+    src = "--model.init_from=src/seed{seed}/last.ckpt"
+    args = ["--rows", str(rows_dir), "--seeds", "3", "11", "--out", str(tmp_path / "out"), "--dry-run", "--", src]
+    assert run_tool("suite", *args) == 0
+    fits = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if " fit " in line]
+    assert [[a for a in fit if a.startswith("--model.init_from")] for fit in fits] == [
+        ["--model.init_from=src/seed3/last.ckpt"],
+        ["--model.init_from=src/seed11/last.ckpt"],
+    ]
+
+
 def test_a_resumed_runs_rewritten_steps_come_from_its_newest_events_file(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 

@@ -218,3 +218,93 @@ def test_even_fill_holds_one_window_for_the_other_heads_while_the_explorers_form
         bad = reach_first("gain")
         bad.formation_fill = "random"
         make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=bad), 1, HEADS, T)
+
+
+def kept_reach_controller(reach_heads: int, target: float = 0.35) -> ControllerConfig:
+    """A retrofit's controller: the first decision at step 0 from the trained model, one budget for the model."""
+    return ControllerConfig(
+        signal="gain",
+        warmup_steps=0,
+        control_interval=25,
+        coverage_target=1.0,
+        target_acr=target,
+        budget_scope="model",
+        grouping="none",
+        probe_sequences=8,
+        probe_queries=32,
+        reach_heads=reach_heads,
+    )
+
+
+def test_kept_reach_trades_heads_of_partial_reach_for_one_head_of_full_reach():
+    """Gains shaped like the recall baseline's at step 0 (ACR 0.25 for the whole model): trained at full attention,
+    its layer-1 heads share the retrieval, so three heads at 128 add up to more gain than one at 256 beside narrower
+    ones, and the additive knapsack buys them: no head then reaches past 128. ``reach_heads: 1`` keeps the widest
+    window one head can hold within the budget (256: 256 + 7 x 16 <= 512) on the head whose gain there is largest
+    (layer 1, head 1), and the knapsack places the rest around it."""
+    T, cands = 256, [16, 32, 64, 128, 256]
+    flat = [0.0, 0.0001, 0.0001, 0.0001, 0.0001]
+    gain = torch.tensor(
+        [
+            [flat, flat, flat, flat],
+            [
+                [0.0, 0.030, 0.050, 0.110, 0.120],
+                [0.0, 0.090, 0.110, 0.190, 0.250],
+                [0.0, 0.005, 0.008, 0.013, 0.013],
+                [0.0, 0.020, 0.080, 0.130, 0.160],
+            ],
+        ],
+        dtype=torch.float64,
+    )
+
+    def decide(reach_heads: int) -> list[list[int]]:
+        ctl = kept_reach_controller(reach_heads, target=0.25)
+        policy = make_policy(AAHConfig(policy="adaptive", candidates=cands, controller=ctl), 2, 4, T)
+        x = torch.zeros(2, 4, policy.layout.packed_size, dtype=torch.float64)
+        return policy.decide(torch.cat([x, gain, torch.zeros_like(gain)], dim=-1), 0).tolist()
+
+    assert decide(0) == [[16, 16, 16, 16], [128, 128, 64, 128]]
+    assert decide(1) == [[16, 16, 16, 16], [32, 256, 32, 128]]
+
+
+def test_kept_reach_holds_the_head_that_needs_it_through_a_fine_tune():
+    """A model trained with every head at full context on the copy task, retrofitted at ACR 0.35 with
+    ``reach_heads: 1``: the first decision (step 0) gives one head the widest window (32 beside 3 x 4) and every other
+    head the narrowest; the head is the one whose measured gain at 32 is largest, it holds the reach at every later
+    decision, and the fine-tuned model copies."""
+    source = tiny_model()
+    train(source, 200)  # full context everywhere (the initial table)
+    model = tiny_model()
+    model.load_state_dict(source.state_dict())
+    policy = make_policy(
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=kept_reach_controller(1)), 1, HEADS, T
+    )
+    policy.set_run_length(150)
+    loss, tables = train(model, 150, policy, seed=2)
+    first = tables[0][0].tolist()
+    assert sorted(first) == [4, 4, 4, 32]
+    holder = first.index(32)
+    assert all(t[0].tolist() == first for t in tables)  # every decision (steps 0, 25, ..., 125) kept it
+    assert int(policy.last_need[0, :, -1].argmax()) == holder
+    assert loss < 0.1
+
+
+def test_kept_reach_settings_are_checked():
+    def check(**kw):
+        ctl = kept_reach_controller(kw.pop("reach_heads", 1), target=kw.pop("target", 0.35))
+        for k, v in kw.items():
+            setattr(ctl, k, v)
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl).validate(T, 1, HEADS)
+
+    check()
+    check(reach_window=16)
+    with pytest.raises(ConfigError, match="model.aah.controller.reach_heads"):
+        check(reach_heads=5)
+    with pytest.raises(ConfigError, match="model.aah.controller.reach_window=20"):
+        check(reach_window=20)
+    with pytest.raises(ConfigError, match=r"reach_window=32 does not fit the budget.*the widest that fits is 16"):
+        check(reach_window=32, target=0.3)  # 32 + 3 x 4 = 44 > 0.3 x 128; 16 + 12 = 28 fits
+    with pytest.raises(ConfigError, match="reach_heads=4.*no window wider than the narrowest"):
+        check(reach_heads=4, target=0.125)  # 4 x 4 = 16 = 0.125 x 128: nothing wider fits
+    with pytest.raises(ConfigError, match="only with a budget"):
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(reach_heads=1)).validate(T, 1, HEADS)

@@ -81,7 +81,24 @@ class AdaptivePolicy(WindowPolicy):
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
-        cfg.controller.validate(cfg.resolved_candidates(seq_len), seq_len, n_head)
+        c, candidates = cfg.controller, cfg.resolved_candidates(seq_len)
+        c.validate(candidates, seq_len, n_head)
+        if c.reach_heads and c.budget() is not None:  # the kept reach must fit the target beside the narrowest rest
+            n = n_head * (n_layer if c.budget_scope == "model" else 1)
+            costs = window_costs(candidates, seq_len, c.budget()[0])
+            fits = _reach_index(costs, c.budget()[1], n, c.reach_heads)
+            key = "model.aah.controller."
+            if c.reach_window is not None and candidates.index(c.reach_window) > fits:
+                raise ConfigError(
+                    f"{key}reach_window={c.reach_window!r} does not fit the budget: {c.reach_heads} head(s) at it beside "
+                    f"{n - c.reach_heads} at {candidates[0]} cost more than {c.budget()[1]!r}; the widest that fits is "
+                    f"{candidates[fits]}"
+                )
+            if fits == 0:
+                raise ConfigError(
+                    f"{key}reach_heads={c.reach_heads!r}: the budget {c.budget()[1]!r} leaves them no window wider than "
+                    f"the narrowest candidate ({candidates[0]}); lower reach_heads or raise the budget"
+                )
 
     def initial_table(self) -> Tensor:
         """Full context until the first decision; with explorers (reach first), the explorer table from step 0."""
@@ -213,6 +230,7 @@ class AdaptivePolicy(WindowPolicy):
         held = None if self.table is None else torch.searchsorted(cand, self.table).tolist()
         before = (list(self.partitions), list(self.hierarchies), list(self.group_windows))
         ceiling = self.ceiling(step)
+        reach = {} if forming or not c.reach_heads or ceiling is None else self.kept_reach(profiles, ceiling)
         inputs = []
         for layer in range(self.n_layer):
             z = features.clustering_matrix(
@@ -220,8 +238,9 @@ class AdaptivePolicy(WindowPolicy):
             )
             d = pairwise_distances(z, c.metric)
             level0 = self._level0(layer, d)
-            if forming:  # an explorer is a group of its own: its floor must not drag other heads to its window
-                level0 = _explorers_apart(level0, c.explorers)
+            kept = sorted(h for (lyr, h) in reach if lyr == layer)
+            if forming or kept:  # explorers and kept reach: groups of their own, their floors drag no other head
+                level0 = _apart(level0, list(range(c.explorers)) if forming else kept)
             inputs.append(
                 LayerInputs(
                     hierarchy=build_hierarchy(d, level0, self.thresholds[1:]),
@@ -234,7 +253,10 @@ class AdaptivePolicy(WindowPolicy):
                     layer=layer,
                     current=None if held is None else held[layer],
                     settle_margin=self.settle_bands(noise[layer]),
-                    floors=[self.explore_index if forming and h < c.explorers else 0 for h in range(self.n_head)],
+                    floors=[
+                        self.explore_index if forming and h < c.explorers else reach.get((layer, h), 0)
+                        for h in range(self.n_head)
+                    ],
                     capped=gain is None,
                 )
             )
@@ -261,6 +283,24 @@ class AdaptivePolicy(WindowPolicy):
                         before[2][layer],
                     )
         return self._record(table, step, x, profiles)
+
+    def kept_reach(self, need: Tensor, ceiling: float) -> dict[tuple[int, int], int]:
+        """``reach_heads``: ``{(layer, head): candidate index}`` of the heads that hold the reach window at this
+        decision. In each budget unit, the ``reach_heads`` heads with the largest smoothed need ``[L, H, K]`` at the
+        window (exact ties to the earlier layer and head); the window is ``reach_window`` or the widest they can hold
+        beside every other head of the unit at the narrowest candidate, never wider than that."""
+        c = self.settings
+        units = [list(range(self.n_layer))] if c.budget_scope == "model" else [[lyr] for lyr in range(self.n_layer)]
+        out = {}
+        for layers in units:
+            j = _reach_index(self.costs, ceiling, len(layers) * self.n_head, c.reach_heads)
+            if c.reach_window is not None:
+                j = min(j, self.candidates.index(c.reach_window))
+            if j == 0:
+                continue  # this ceiling affords no reach (budget_over_run late in a run): nothing is held
+            heads = sorted((-float(need[lyr, h, j]), lyr, h) for lyr in layers for h in range(self.n_head))
+            out.update({(lyr, h): j for _, lyr, h in heads[: c.reach_heads]})
+        return out
 
     def _record(self, table: Tensor, step: int, x: Tensor, need: Tensor) -> Tensor:
         """The decided ``table`` in force from ``step``: its spend, coverage on this probe, and the need behind it."""
@@ -439,11 +479,18 @@ class AdaptivePolicy(WindowPolicy):
         self.last_need = None if need is None else need.to(torch.float64).clone()
 
 
-def _explorers_apart(partition: Partition, explorers: int) -> Partition:
-    """``partition`` with heads ``0 .. explorers - 1`` each in a group of its own (groups in order of first head)."""
-    out = [[h] for h in range(explorers)]
-    out += [rest for rest in ([h for h in g if h >= explorers] for g in partition) if rest]
+def _apart(partition: Partition, heads: list[int]) -> Partition:
+    """``partition`` with each of ``heads`` in a group of its own (groups in order of first head)."""
+    out = [[h] for h in heads]
+    out += [rest for rest in ([h for h in g if h not in heads] for g in partition) if rest]
     return canonical(out)
+
+
+def _reach_index(costs: Tensor, ceiling: float, n: int, r: int) -> int:
+    """The widest candidate index that ``r`` of ``n`` heads can hold beside ``n - r`` heads at the narrowest, with a
+    mean per-head cost within ``ceiling`` (0 when none is wider than the narrowest)."""
+    fits = [j for j in range(len(costs)) if r * float(costs[j]) + (n - r) * float(costs[0]) <= ceiling * n + 1e-9]
+    return fits[-1] if fits else 0
 
 
 def _check_parent_constraint(hierarchy: Hierarchy, chosen: list[list[int]]) -> None:
