@@ -42,6 +42,7 @@ from aah_lightning.experiments.outputs import write_outputs
 from aah_lightning.experiments.records import (
     checkpoint_dir,
     interrupted_time,
+    merged_records,
     position_losses,
     read_scalars,
     recall_accuracies,
@@ -130,6 +131,13 @@ def main(argv=None) -> None:
         "--report",
         action="store_true",
         help="run nothing: write the comparison from the runs of these rows and seeds that have finished",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        help="earlier suites' output folders (results.csv, tables.json): their runs of these rows and seeds join the "
+        "comparison where this --out has none (rows measured in another session, e.g. docs/frontier_recall10)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
@@ -234,10 +242,18 @@ def main(argv=None) -> None:
         futures = [pool.submit(run, path, seed) for path, seed in runs]
         try:
             records = [r for r in (f.result() for f in futures) if r is not None]
-            records.sort(key=lambda r: (rows.index(r["row"]), r["seed"]))  # the outputs list row by row
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
+    for folder in args.merge:  # earlier measurements of runs this --out does not hold (no curves: not plotted)
+        have = {(r["row"], r["seed"]) for r in records}
+        more, more_heads = merged_records(folder, rows, args.seeds)
+        more = [r for r in more if (r["row"], r["seed"]) not in have]
+        records += more
+        heads.update({k: v for k, v in more_heads.items() if k not in heads and k not in have})
+        curves.update({(r["row"], r["seed"]): [] for r in more})
+        print(f"merged from {folder}: {len(more)} runs", flush=True)
+    records.sort(key=lambda r: (rows.index(r["row"]), r["seed"]))  # the outputs list row by row
     print(write_outputs(args.out, records, rows, curves, heads))
     print(
         f"suite wall time: {time.time() - started:.0f} s (this invocation); "

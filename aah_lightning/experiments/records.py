@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import glob
 import itertools
+import json
 import math
 import os
 import re
@@ -188,3 +189,25 @@ def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
             }
             for r in csv.DictReader(f)
         }
+
+
+def merged_records(folder: str, rows: list[str], seeds: list[int]) -> tuple[list[dict], dict[tuple[str, int], dict]]:
+    """The runs of ``rows`` x ``seeds`` recorded in an earlier suite's ``folder`` (its results.csv and, where there,
+    tables.json): ``(records, heads)`` as tools/suite.py builds them from runs, without the runs themselves."""
+    with open(os.path.join(folder, "results.csv")) as f:
+        raw = {(r["row"], int(r["seed"])): r for r in csv.DictReader(f)}
+    tables = {}
+    if os.path.exists(os.path.join(folder, "tables.json")):
+        with open(os.path.join(folder, "tables.json")) as f:
+            tables = json.load(f)
+    records, heads = [], {}
+    for row in rows:
+        for seed in seeds:
+            r = raw.get((row, seed))
+            if r is None:
+                continue
+            values = {k: float(v) for k, v in r.items() if k not in ("row", "seed", "policy") and v != ""}
+            records.append({"row": row, "seed": seed, "policy": r.get("policy"), **values})
+            if str(seed) in tables.get(row, {}):
+                heads[(row, seed)] = tables[row][str(seed)]
+    return records, heads

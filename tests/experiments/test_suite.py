@@ -13,7 +13,7 @@ import pytest
 
 from aah_lightning.experiments.records import COLUMNS, interrupted_time, read_scalars
 from aah_lightning.experiments.stats import mean_curve
-from helpers.cli import run_tool
+from helpers.cli import REPO, run_tool
 from helpers.tb import read_events
 
 BASE = """\
@@ -247,3 +247,17 @@ def test_the_curve_plot_averages_only_steps_every_seed_logged():
     assert steps == [1, 3]
     assert means == [4.0, 1.5]
     assert mean_curve([]) == ([], [])
+
+
+def test_a_report_merged_from_recorded_results_rebuilds_their_tables(tmp_path):
+    """``--report --merge FOLDER`` runs nothing and takes the runs an earlier suite recorded (results.csv and
+    tables.json): from the recall frontier's recorded results it writes the same exact tests and frontier table as
+    were written from the runs themselves."""
+    recorded = os.path.join(REPO, "docs", "frontier_recall10")
+    out = tmp_path / "out"
+    seeds = [str(s) for s in range(20)]
+    args = ["--rows", os.path.join(REPO, "configs", "recall"), "--seeds", *seeds, "--out", str(out), "--report"]
+    assert run_tool("suite", *args, "--merge", recorded) == 0
+    assert not any(out.glob("*/seed*"))  # nothing was run
+    for name in ("protocol.md", "frontier.md"):
+        assert (out / name).read_text() == open(os.path.join(recorded, name)).read()
