@@ -266,6 +266,16 @@ def test_kept_reach_trades_heads_of_partial_reach_for_one_head_of_full_reach():
     assert decide(0) == [[16, 16, 16, 16], [128, 128, 64, 128]]
     assert decide(1) == [[16, 16, 16, 16], [32, 256, 32, 128]]
 
+    # Settling never undoes the kept reach: a table in force without it (as after a formation that gave no head the
+    # reach window) is replaced however little the move gains, while without kept reach it stays.
+    for reach_heads, expected in ((0, [[16, 16, 16, 16], [128, 64, 128, 128]]), (1, [[16] * 4, [32, 256, 32, 128]])):
+        ctl = kept_reach_controller(reach_heads, target=0.25)
+        ctl.settle_margin = 0.5  # no move gains half a nat per head here
+        policy = make_policy(AAHConfig(policy="adaptive", candidates=cands, controller=ctl), 2, 4, T)
+        policy.table = torch.tensor([[16, 16, 16, 16], [128, 64, 128, 128]], dtype=torch.int32)
+        x = torch.zeros(2, 4, policy.layout.packed_size, dtype=torch.float64)
+        assert policy.decide(torch.cat([x, gain, torch.zeros_like(gain)], dim=-1), 50).tolist() == expected
+
 
 def test_kept_reach_holds_the_head_that_needs_it_through_a_fine_tune():
     """A model trained with every head at full context on the copy task, retrofitted at ACR 0.35 with

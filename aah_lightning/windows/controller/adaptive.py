@@ -274,7 +274,7 @@ class AdaptivePolicy(WindowPolicy):
             self.hierarchies[layer] = one.hierarchy
             self.group_windows[layer] = [[self.candidates[i] for i in level] for level in chosen]
         if ceiling is not None and self.table is not None:
-            for layers in self._kept_units(table, profiles, noise, ceiling):
+            for layers in self._kept_units(table, profiles, noise, ceiling, reach):
                 table[layers] = self.table[layers]
                 for layer in layers:
                     self.partitions[layer], self.hierarchies[layer], self.group_windows[layer] = (
@@ -326,11 +326,15 @@ class AdaptivePolicy(WindowPolicy):
             return torch.zeros_like(noise)
         return torch.clamp(SETTLE_SIGMAS * noise, min=margin)
 
-    def _kept_units(self, proposal: Tensor, profiles: Tensor, noise: Tensor, ceiling: float) -> list[list[int]]:
+    def _kept_units(
+        self, proposal: Tensor, profiles: Tensor, noise: Tensor, ceiling: float, reach: dict | None = None
+    ) -> list[list[int]]:
         """Under a budget, the units (a layer, or the whole model with ``budget_scope: model``) whose table in force
         stays: it still fits the ceiling, and the proposal keeps no more attention mass than the moved heads need
         to gain, each ``settle_margin`` or ``SETTLE_SIGMAS`` standard errors of its gain's estimate where that is
-        more. The proposal is the exact optimum, so it never keeps less mass than the table in force."""
+        more. The proposal is the exact optimum, so it never keeps less mass than the table in force. With kept reach
+        (``reach``: the heads that must hold it and its candidate index), a table in force stays only if as many of
+        the unit's heads hold that window or wider: settling never undoes the kept reach."""
         margin = self.settings.settle_margin
         if margin <= 0:
             return []
@@ -344,6 +348,9 @@ class AdaptivePolicy(WindowPolicy):
             moved = old != new
             if not moved.any() or self.table_cost(old) > ceiling + 1e-9:
                 continue
+            held = [j for (lyr, _h), j in (reach or {}).items() if lyr in layers]
+            if held and int((old >= self.candidates[held[0]]).sum()) < len(held):
+                continue  # the table in force lacks the reach this decision keeps
             idx = [torch.searchsorted(cand, t).long().unsqueeze(-1) for t in (old, new)]
             gain = float(profiles[layers].gather(-1, idx[1]).sum() - profiles[layers].gather(-1, idx[0]).sum())
             se = sum(noise[layers].gather(-1, i).squeeze(-1) for i in idx)  # bounds the SE of each head's gain
