@@ -318,3 +318,27 @@ def test_kept_reach_settings_are_checked():
         check(reach_heads=4, target=0.125)  # 4 x 4 = 16 = 0.125 x 128: nothing wider fits
     with pytest.raises(ConfigError, match="only with a budget"):
         AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(reach_heads=1)).validate(T, 1, HEADS)
+
+
+def test_kept_reach_decides_the_same_after_a_checkpoint():
+    """Which head keeps reach is derived from the smoothed need in the policy's state, so a policy restored from
+    ``state_dict`` makes the same decisions as the one that went on (reach first, then kept reach)."""
+    ctl = reach_first("gain", formation=50, target=0.35)
+    ctl.reach_heads = 1
+    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl)
+    policy = make_policy(cfg, 1, HEADS, T)
+    policy.set_run_length(200)
+    model = tiny_model()
+    model.set_windows(policy.initial_table())
+    train(model, 60, policy)
+    again = make_policy(cfg, 1, HEADS, T)
+    again.set_run_length(200)
+    again.load_state_dict(policy.state_dict())
+    g = torch.Generator().manual_seed(11)
+    for step in range(60, 130):
+        batch = copy_batch(g)
+        a, b = policy.on_train_step(step, model, batch), again.on_train_step(step, model, batch)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        if a is not None:
+            model.set_windows(a)
+    assert torch.equal(policy.table, again.table) and int((policy.table >= 32).sum()) >= 1  # one head keeps reach
