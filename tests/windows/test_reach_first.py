@@ -237,9 +237,9 @@ def kept_reach_controller(reach_heads: int, target: float = 0.35) -> ControllerC
 
 
 def test_kept_reach_trades_heads_of_partial_reach_for_one_head_of_full_reach():
-    """Gains shaped like the recall baseline's at step 0 (ACR 0.25 for the whole model): trained at full attention,
-    its layer-1 heads share the retrieval, so three heads at 128 add up to more gain than one at 256 beside narrower
-    ones, and the additive knapsack buys them: no head then reaches past 128. ``reach_heads: 1`` keeps the widest
+    """Constructed gains at ACR 0.25 for the whole model, of a model whose layer-1 heads share a retrieval: three
+    heads at 128 add up to more gain than one at 256 beside narrower ones, so the additive knapsack buys them and no
+    head reaches past 128. ``reach_heads: 1`` keeps the widest
     window one head can hold within the budget (256: 256 + 7 x 16 <= 512) on the head whose gain there is largest
     (layer 1, head 1), and the knapsack places the rest around it."""
     T, cands = 256, [16, 32, 64, 128, 256]
