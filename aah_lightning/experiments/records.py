@@ -183,12 +183,12 @@ def eval_lengths(records: list[dict], kind: str = "seq") -> list[int]:
 def read_results(out: str) -> dict[tuple[str, int], dict[str, float]]:
     """A finished suite's results.csv: ``{(row, seed): {column: value}}``."""
     with open(os.path.join(out, "results.csv")) as f:
-        return {
-            (r["row"], int(r["seed"])): {
-                k: float(v) for k, v in r.items() if k not in ("row", "seed", "policy") and v != ""
-            }
-            for r in csv.DictReader(f)
-        }
+        return {(r["row"], int(r["seed"])): _numbers(r) for r in csv.DictReader(f)}
+
+
+def _numbers(line: dict[str, str]) -> dict[str, float]:
+    """A results.csv line's measured columns as floats (the row, seed and policy columns and empty cells left out)."""
+    return {k: float(v) for k, v in line.items() if k not in ("row", "seed", "policy") and v != ""}
 
 
 def merged_records(folder: str, rows: list[str], seeds: list[int]) -> tuple[list[dict], dict[tuple[str, int], dict]]:
@@ -206,8 +206,7 @@ def merged_records(folder: str, rows: list[str], seeds: list[int]) -> tuple[list
             r = raw.get((row, seed))
             if r is None:
                 continue
-            values = {k: float(v) for k, v in r.items() if k not in ("row", "seed", "policy") and v != ""}
-            records.append({"row": row, "seed": seed, "policy": r.get("policy"), **values})
+            records.append({"row": row, "seed": seed, "policy": r.get("policy"), **_numbers(r)})
             if str(seed) in tables.get(row, {}):
                 heads[(row, seed)] = tables[row][str(seed)]
     return records, heads

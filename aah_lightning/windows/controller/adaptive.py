@@ -284,15 +284,20 @@ class AdaptivePolicy(WindowPolicy):
                     )
         return self._record(table, step, x, profiles)
 
+    def budget_units(self) -> list[list[int]]:
+        """The layers that share one budget: all of them with ``budget_scope: model``, else each layer alone."""
+        if self.settings.budget_scope == "model":
+            return [list(range(self.n_layer))]
+        return [[layer] for layer in range(self.n_layer)]
+
     def kept_reach(self, need: Tensor, ceiling: float) -> dict[tuple[int, int], int]:
         """``reach_heads``: ``{(layer, head): candidate index}`` of the heads that hold the reach window at this
         decision. In each budget unit, the ``reach_heads`` heads with the largest smoothed need ``[L, H, K]`` at the
         window (exact ties to the earlier layer and head); the window is ``reach_window`` or the widest they can hold
         beside every other head of the unit at the narrowest candidate, never wider than that."""
         c = self.settings
-        units = [list(range(self.n_layer))] if c.budget_scope == "model" else [[lyr] for lyr in range(self.n_layer)]
         out = {}
-        for layers in units:
+        for layers in self.budget_units():
             j = _reach_index(self.costs, ceiling, len(layers) * self.n_head, c.reach_heads)
             if c.reach_window is not None:
                 j = min(j, self.candidates.index(c.reach_window))
@@ -338,12 +343,9 @@ class AdaptivePolicy(WindowPolicy):
         margin = self.settings.settle_margin
         if margin <= 0:
             return []
-        units = (
-            [list(range(self.n_layer))] if self.settings.budget_scope == "model" else [[i] for i in range(self.n_layer)]
-        )
         cand = torch.tensor(self.candidates, dtype=torch.int32)
         kept = []
-        for layers in units:
+        for layers in self.budget_units():
             old, new = self.table[layers], proposal[layers]
             moved = old != new
             if not moved.any() or self.table_cost(old) > ceiling + 1e-9:
