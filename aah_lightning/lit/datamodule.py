@@ -16,8 +16,6 @@ permutations), streamed ones through ``split_dataset_by_node``. The training pos
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 from typing import Literal, Optional, get_args
@@ -28,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.data import corpora, prepare
-from aah_lightning.data.packing import EndlessSampler, TokenBlocks
+from aah_lightning.data.packing import TokenBlocks
 from aah_lightning.data.prompts import prompt_loader
 from aah_lightning.data.recall import GAPS, TASKS, RecallBlocks
 from aah_lightning.data.streaming import StreamedBlocks, held_out_head
@@ -36,7 +34,7 @@ from aah_lightning.data.synthetic import synthetic_documents
 from aah_lightning.data.token_folder import TokenStream, open_folder, read_meta
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
-from aah_lightning.lit.distributed import gather
+from aah_lightning.lit.data_position import DataPosition
 
 Source = Literal["stdlib", "files", "tokens", "hub", "synthetic", "recall"]
 SOURCES = get_args(Source)
@@ -68,7 +66,7 @@ class MixedBlocks(torch.utils.data.Dataset):
 
 
 class PositionedLoader(DataLoader):
-    """A DataLoader the data module positions itself (``TextDataModule._map_position`` and the stream positions in
+    """A DataLoader the data module positions itself (``DataPosition``: the sampler's start and the stream positions in
     its ``state_dict``). Having a state of its own (nothing to add) tells Lightning a mid-epoch resume is exact."""
 
     def state_dict(self) -> dict:
@@ -76,11 +74,6 @@ class PositionedLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-
-def global_batch(layout: dict) -> int:
-    """Blocks per optimizer step over all ranks, of a data layout (``TextDataModule._layout``, or a checkpoint's)."""
-    return layout["batch_size"] * layout["world_size"] * layout["accumulate_grad_batches"]
 
 
 class TextDataModule(L.LightningDataModule):
@@ -239,9 +232,7 @@ class TextDataModule(L.LightningDataModule):
             self._check_folder_tokenizer(read_meta(path, "data.path"))
         self.train_set = self.val_set = self.test_set = None
         self._source: dict | None = None  # the description of stdlib / files text (``_describe_source``)
-        self._restored: dict | None = None  # the data state of the checkpoint being resumed
-        self._counts_restated = False  # Lightning's batch count restated for the restored layout (once)
-        self._stream_position: dict = {}  # {worker id: position after the last block trained on} (streams)
+        self.position = DataPosition(source, seed, batch_size, global_batch_size, num_workers)
 
     @property
     def vocab_size(self) -> int:
@@ -391,41 +382,20 @@ class TextDataModule(L.LightningDataModule):
             initial = ds.state_dict()  # a new dataset, not read yet
         endless = self.trainer is None or self.trainer.max_steps > 0
         self.train_set = StreamedBlocks(ds, self.tokenizer, hp.seq_len, exclude, endless, initial)
-        if self._restored is not None:
+        if self.position.restored is not None:
             self._apply_restored_stream(rank, world)
 
-    # -- the global batch ------------------------------------------------------------------------------------------
+    # -- the training position (lit/data_position.py) ---------------------------------------------------------------
     def resolve_accumulation(self, trainer) -> None:
-        """With ``data.global_batch_size``: set ``trainer.accumulate_grad_batches`` to global / (batch x world size).
+        """With ``data.global_batch_size``: set ``trainer.accumulate_grad_batches`` (``DataPosition``)."""
+        self.position.resolve_accumulation(trainer)
 
-        Called before training starts (the CLI's preflight, and ``setup('fit')``); Lightning's loops read
-        ``trainer.accumulate_grad_batches`` at every batch, so setting it here is enough. Idempotent."""
-        hp = self.hparams
-        total = hp.global_batch_size
-        if total is None:
-            return
-        batch, world = hp.batch_size, trainer.world_size
-        round_ = batch * world  # blocks of one micro-batch on every rank
-        if total % round_:
-            near = sorted({max(round_, total // round_ * round_), (total // round_ + 1) * round_})
-            raise ConfigError(
-                f"data.global_batch_size={total} is not allowed with data.batch_size={batch} on {world} process(es): "
-                f"a multiple of {round_} (data.batch_size x processes), e.g. {' or '.join(map(str, near))}"
-            )
-        acc, given = total // round_, trainer.accumulate_grad_batches
-        if given not in (1, acc):
-            raise ConfigError(
-                f"trainer.accumulate_grad_batches={given} is not allowed with data.global_batch_size={total}: it "
-                f"follows from it ({total} / (data.batch_size={batch} x {world} processes) = {acc}); leave "
-                f"trainer.accumulate_grad_batches at 1, or unset data.global_batch_size"
-            )
-        trainer.accumulate_grad_batches = acc
+    def _train_blocks(self) -> int | None:
+        """The permuted training blocks of a map-style corpus (None: a stream, or not set up)."""
+        if self.train_set is None or isinstance(self.train_set, IterableDataset):
+            return None
+        return len(self.train_set)
 
-    def _global_batch(self) -> int:
-        """Blocks per optimizer step over all ranks."""
-        return global_batch(self._layout())
-
-    # -- loaders ---------------------------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
         if trainer is None:
@@ -433,105 +403,22 @@ class TextDataModule(L.LightningDataModule):
         return trainer.global_rank, trainer.world_size
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps of one training epoch of an epoch-based run (map-style data).
-
-        An epoch is one seeded permutation of the training blocks in whole global batches: ``n // global_batch``
-        steps; the last ``n mod global_batch`` blocks of each permutation are left out of that epoch. With
-        ``trainer.limit_train_batches``, Lightning's cut of the epoch (it steps on the last batch)."""
-        trainer = self.trainer
-        total = self._global_batch()
-        steps = len(self.train_set) // total
-        if steps == 0:
-            raise ConfigError(
-                f"the {len(self.train_set)} training blocks are fewer than one global batch of {total} "
-                f"(data.batch_size x processes x trainer.accumulate_grad_batches): an epoch-based run "
-                f"(trainer.max_steps=-1) needs at least one; use more data or a smaller batch"
-            )
-        acc = trainer.accumulate_grad_batches
-        batches, limit = steps * acc, getattr(trainer, "limit_train_batches", 1.0)
-        if isinstance(limit, int):
-            batches = min(batches, limit)
-        elif limit != 1.0:
-            batches = int(batches * limit)
-        return math.ceil(batches / acc)
+        """Optimizer steps of one training epoch of an epoch-based run (``DataPosition.steps_per_epoch``)."""
+        return self.position.steps_per_epoch(self.trainer, len(self.train_set), self._layout())
 
     def planned_steps(self) -> int | None:
-        """The run's optimizer steps (for the learning-rate schedule), known before the train loader is built, so
-        that Lightning does not build it before a resumed run's loop state is restored. None: ask Lightning."""
-        trainer = self.trainer
-        if trainer is None or isinstance(self.train_set, IterableDataset) or self.train_set is None:
-            return None
-        if trainer.max_steps > 0:
-            return trainer.max_steps
-        if trainer.max_epochs is None or trainer.max_epochs < 0:
-            return None
-        return self.steps_per_epoch() * max(trainer.max_epochs, 1)
-
-    def _map_position(self) -> tuple[int, int, int | None]:
-        """(global positions consumed, items this rank's loader must hold, positions per epoch or None) for a
-        map-style corpus.
-
-        The position is in global terms: ``global_step x global batch`` blocks of the global order
-        (``EndlessSampler``), whatever the world size; it follows from the restored loop state at optimizer-step
-        boundaries (where checkpoints are written). The loader's length is what Lightning expects of it: on a resume
-        it restores its batch count and stops after ``len - count`` batches, so the loader keeps the length of the
-        uninterrupted run while its sampler starts at the position.
-        """
-        hp, trainer = self.hparams, self.trainer
-        if trainer is None:
-            return 0, len(self.train_set), None
-        acc, total = trainer.accumulate_grad_batches, self._global_batch()
-        if trainer.max_steps > 0:  # step-based: one Lightning epoch spans the whole run
-            return trainer.global_step * total, trainer.max_steps * hp.batch_size * acc, None
-        # Epoch-based: epoch e is permutation e in whole global batches (steps_per_epoch).
-        whole = len(self.train_set) // total  # steps of an epoch without limit_train_batches
-        steps, epoch = self.steps_per_epoch(), trainer.current_epoch
-        done = min(steps, max(0, trainer.global_step - epoch * steps))
-        return epoch * whole * total + done * total, whole * hp.batch_size * acc, whole * total
-
-    def _continue_batch_count(self) -> None:
-        """On a resume with another accumulation (the same global batch on another world size), restate Lightning's
-        restored count of this epoch's micro-batches in the new accumulation: it decides where optimizer steps fall
-        and when the loader is exhausted."""
-        saved = (self._restored or {}).get("layout")
-        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
-        if saved is None or loop is None or self._counts_restated:
-            return
-        self._counts_restated = True
-        old, new = saved["accumulate_grad_batches"], self.trainer.accumulate_grad_batches
-        if old == new:
-            return
-        for progress in (loop.batch_progress.current, loop.batch_progress.total):
-            steps, within = divmod(progress.ready, old)
-            if within:  # a checkpoint from inside an accumulation window: no step boundary to restate
-                continue
-            shift = steps * (new - old)
-            progress.ready += shift
-            progress.started += shift
-            progress.processed += shift
-            progress.completed += shift
+        """The run's optimizer steps for the learning-rate schedule (``DataPosition.planned_steps``)."""
+        return self.position.planned_steps(self.trainer, self._train_blocks(), self._layout())
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        self._continue_batch_count()
+        self.position.restate_batch_count(self.trainer)
         if isinstance(self.train_set, IterableDataset):
             return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
-        rank, world = self._rank_world()
-        start, length, per_epoch = self._map_position()
-        sampler = EndlessSampler(
-            len(self.train_set),
-            hp.seed,
-            length=max(0, length),
-            rank=rank,
-            world_size=world,
-            start=start,
-            per_epoch=per_epoch,
-            epochs=per_epoch is not None,
-        )
         return PositionedLoader(
             self.train_set,
             batch_size=hp.batch_size,
-            sampler=sampler,
+            sampler=self.position.sampler(self.trainer, len(self.train_set), self._layout()),
             drop_last=True,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,
@@ -561,72 +448,29 @@ class TextDataModule(L.LightningDataModule):
 
     # -- the data position in checkpoints ---------------------------------------------------------------------------
     def _layout(self, trainer=None) -> dict:
-        """What the position means. A map-style position is global: it continues on another world size, batch size
-        and accumulation as long as their product (the global batch) is the same; a stream's needs the same
-        processes and workers too (``check_resume``)."""
-        hp, trainer = self.hparams, trainer or self.trainer
-        layout = {
-            "source": hp.source,
-            "seed": hp.seed,
-            "batch_size": hp.batch_size,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer else 1,
-            "world_size": trainer.world_size if trainer else 1,
-            "num_workers": hp.num_workers if hp.source == "hub" else 0,
-        }
-        if self.train_set is not None and not isinstance(self.train_set, IterableDataset):  # permuted: this many
-            layout["train_blocks"] = len(self.train_set)
-        return layout
+        return self.position.layout(trainer or self.trainer, self._train_blocks())
 
     def check_resume(self, saved: dict, trainer=None) -> None:
-        """Refuse, in one line, a resume this data cannot continue: another global batch, or a stream read by
-        another number of processes or workers. Runs before the first step (the CLI's preflight, and
-        ``load_state_dict``)."""
-        now = self._layout(trainer)
-        old, new = global_batch(saved), global_batch(now)
-        if old != new:
-            batch, world = now["batch_size"], now["world_size"]
-            if old % (batch * world) == 0:
-                fix = f"set data.global_batch_size={old} (or trainer.accumulate_grad_batches={old // (batch * world)})"
-            elif old % world == 0:
-                fix = f"set data.batch_size to a divisor of {old // world} and data.global_batch_size={old}"
-            else:
-                fix = f"use a number of processes that divides {old}, and data.global_batch_size={old}"
-            raise ConfigError(
-                f"the checkpoint was trained with a global batch of {old} blocks (data.batch_size="
-                f"{saved['batch_size']} x {saved['world_size']} processes x trainer.accumulate_grad_batches="
-                f"{saved['accumulate_grad_batches']}), this run's is {new} ({batch} x {world} x "
-                f"{now['accumulate_grad_batches']}): {fix} to resume it"
-            )
-        if now["source"] == "hub" and saved.get("source") == "hub":
-            readers = (saved["world_size"], saved["num_workers"])
-            if readers != (now["world_size"], now["num_workers"]):
-                raise ConfigError(
-                    f"the checkpoint holds stream positions of {readers[0]} process(es) with data.num_workers="
-                    f"{readers[1]}, this run has {now['world_size']} with {now['num_workers']}: positions in the "
-                    f"shards of a stream cannot be moved to another split without repeating or skipping documents; "
-                    f"resume on {readers[0]} process(es) with data.num_workers={readers[1]}, or start a new run"
-                )
+        """Refuse, in one line, a resume this data cannot continue (``DataPosition.check_resume``). Runs before the
+        first step (the CLI's preflight, and ``load_state_dict``)."""
+        self.position.check_resume(saved, self._layout(trainer))
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
-        # Streamed training batches carry their positions; keep the last one per worker, drop them from the batch.
-        if isinstance(batch, dict) and "resume" in batch:
-            for text in batch.pop("resume"):
-                position = json.loads(text)
-                self._stream_position[str(position.pop("worker"))] = position
-            if isinstance(self.train_set, StreamedBlocks):
-                self.train_set.start = None  # used by the first iteration after a restore only
+        # Streamed training batches carry their positions; the position keeps them, the batch drops them.
+        if self.position.record(batch) and isinstance(self.train_set, StreamedBlocks):
+            self.train_set.start = None  # used by the first iteration after a restore only
         return batch
 
     def state_dict(self) -> dict:
         """The layout, and for streams every rank's position. A map-style position needs no entry: it follows from
-        the layout and the restored loop state (``_map_position``)."""
+        the layout and the restored loop state (``DataPosition``)."""
         # Called on every rank when a checkpoint is written; rank 0 writes what all ranks gathered.
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return {}
         state = {"layout": self._layout()}
         if isinstance(self.train_set, StreamedBlocks):
-            state["streams"] = gather(dict(self._stream_position))
+            state["streams"] = self.position.stream_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -634,28 +478,11 @@ class TextDataModule(L.LightningDataModule):
         # any number of processes, batch size or accumulation.
         if not state or (self.trainer is not None and self.trainer.state.fn != "fit"):
             return
-        self._restored, self._counts_restated = state, False
-        self.check_resume(state["layout"])
-        layout = self._layout()
-        # The world size, batch size and accumulation may change with the global batch kept (checked above).
-        free = ("world_size", "batch_size", "accumulate_grad_batches")
-        changed = {k: (v, layout.get(k)) for k, v in state["layout"].items() if k not in free and layout.get(k) != v}
-        if changed:
-            rank_zero_warn(
-                "resuming with another data layout ("
-                + ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
-                + "): training continues, but not with the batches the interrupted run would have seen"
-            )
+        self.position.restore(state, self._layout())
         if isinstance(self.train_set, StreamedBlocks):
             self._apply_restored_stream(*self._rank_world())
 
     def _apply_restored_stream(self, rank: int, world: int) -> None:
-        streams = (self._restored or {}).get("streams")
-        if streams is None:
-            return
-        if len(streams) != world:  # check_resume refuses this before; a stream restarted here would repeat data
-            raise ConfigError(
-                f"the checkpoint holds stream positions of {len(streams)} processes, this run has {world}"
-            )
-        self._stream_position = dict(streams[rank])
-        self.train_set.start = dict(streams[rank])
+        start = self.position.restored_stream(rank, world)
+        if start is not None:
+            self.train_set.start = start
