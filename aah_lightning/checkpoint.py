@@ -51,6 +51,7 @@ from typing import Any, Optional
 
 import torch
 
+from aah_lightning.data.sources import is_text
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import first_line
@@ -170,8 +171,6 @@ _FLAT_GPT_SETTINGS = (
     "activation_checkpointing",
     "full_heads_beyond_trained",
 )
-# Data sources whose tokens are not text: no tokenizer (as in TextDataModule).
-TOKENLESS_SOURCES = ("synthetic", "recall")
 
 
 # -- reading a file ----------------------------------------------------------------------------------------------------
@@ -434,7 +433,7 @@ def checkpoint_tokenizer(checkpoint: Mapping, tokenizer: str | None = None, sett
     a model of token ids (``data.source`` synthetic or recall) unless ``tokenizer`` is given. A tokenizer with more ids
     than the model's vocabulary is a ``ConfigError`` (naming ``setting`` when ``tokenizer`` was given)."""
     data = data_settings(checkpoint)
-    if tokenizer is None and data.get("source") in TOKENLESS_SOURCES:
+    if tokenizer is None and not is_text(data.get("source", "stdlib")):
         return None
     spec = tokenizer or data.get("tokenizer", "byte")
     tok = load_tokenizer(spec, setting if tokenizer else "data.tokenizer")

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from aah_lightning import checkpoint as ck
+from aah_lightning.data.sources import is_text
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import first_line
 from aah_lightning.model import hf_import
@@ -181,7 +182,7 @@ def source_tokenizer(path) -> str | None:
     if is_hf_folder(path):
         return os.fspath(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     data = ck.data_settings(_read_aah(path))
-    return None if data.get("source") in ck.TOKENLESS_SOURCES else data.get("tokenizer")
+    return data.get("tokenizer") if is_text(data.get("source", "stdlib")) else None
 
 
 def overlay(path) -> dict:

@@ -38,11 +38,20 @@ def global_batch(layout: dict) -> int:
 
 class DataPosition:
     """The training position of one data module (``source``, ``seed``, ``batch_size``, ``global_batch_size`` and
-    ``num_workers`` are its settings); ``trainer`` is passed to every call that reads it (None: the module is used on
-    its own, at position 0 on one process)."""
+    ``num_workers`` are its settings; ``streamed``: the source's training split positions itself, per worker);
+    ``trainer`` is passed to every call that reads it (None: the module is used on its own, at position 0 on one
+    process)."""
 
-    def __init__(self, source: str, seed: int, batch_size: int, global_batch_size: int | None, num_workers: int):
-        self.source, self.seed, self.batch_size = source, seed, batch_size
+    def __init__(
+        self,
+        source: str,
+        seed: int,
+        batch_size: int,
+        global_batch_size: int | None,
+        num_workers: int,
+        streamed: bool = False,
+    ):
+        self.source, self.streamed, self.seed, self.batch_size = source, streamed, seed, batch_size
         self.global_batch_size, self.num_workers = global_batch_size, num_workers
         self.restored: dict | None = None  # the data state of the checkpoint being resumed
         self._counts_restated = False  # Lightning's batch count restated for the restored layout (once)
@@ -85,14 +94,13 @@ class DataPosition:
             "batch_size": self.batch_size,
             "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer else 1,
             "world_size": trainer.world_size if trainer else 1,
-            "num_workers": self.num_workers if self.source == "hub" else 0,
+            "num_workers": self.num_workers if self.streamed else 0,
         }
         if train_blocks is not None:
             layout["train_blocks"] = train_blocks
         return layout
 
-    @staticmethod
-    def check_resume(saved: dict, now: dict) -> None:
+    def check_resume(self, saved: dict, now: dict) -> None:
         """Refuse, in one line, a resume this data cannot continue: another global batch, or a stream read by
         another number of processes or workers. ``saved``: the checkpoint's layout; ``now``: this run's."""
         old, new = global_batch(saved), global_batch(now)
@@ -110,7 +118,7 @@ class DataPosition:
                 f"{saved['accumulate_grad_batches']}), this run's is {new} ({batch} x {world} x "
                 f"{now['accumulate_grad_batches']}): {fix} to resume it"
             )
-        if now["source"] == "hub" and saved.get("source") == "hub":
+        if self.streamed and saved.get("source") == now["source"]:
             readers = (saved["world_size"], saved["num_workers"])
             if readers != (now["world_size"], now["num_workers"]):
                 raise ConfigError(

@@ -63,8 +63,10 @@ def test_a_resume_with_another_global_batch_is_refused_with_the_fix():
     assert global_batch(saved) == 16
     now = DataPosition("stdlib", 0, 4, None, 0).layout(_trainer(world=1), 100)
     with pytest.raises(ConfigError, match=r"global batch of 16 blocks .* set data.global_batch_size=16"):
-        DataPosition.check_resume(saved, now)
-    DataPosition.check_resume(saved, DataPosition("stdlib", 0, 4, None, 0).layout(_trainer(world=1, acc=4), 100))
+        DataPosition("stdlib", 0, 4, None, 0).check_resume(saved, now)
+    DataPosition("stdlib", 0, 4, None, 0).check_resume(
+        saved, DataPosition("stdlib", 0, 4, None, 0).layout(_trainer(world=1, acc=4), 100)
+    )
 
 
 def test_restating_the_batch_count_moves_lightnings_counters_once():
@@ -95,7 +97,7 @@ def test_a_count_from_inside_an_accumulation_window_is_left_alone():
 
 
 def test_stream_positions_are_kept_per_worker_and_dropped_from_the_batch():
-    position = DataPosition("hub", 0, 2, None, 2)
+    position = DataPosition("hub", 0, 2, None, 2, streamed=True)
     batch = {"tokens": 1, "resume": ['{"worker": 0, "doc": 3}', '{"worker": 1, "doc": 5}', '{"worker": 0, "doc": 4}']}
     assert position.record(batch) and "resume" not in batch
     assert position.streams == {"0": {"doc": 4}, "1": {"doc": 5}}

@@ -1,0 +1,69 @@
+"""Data sources as plugins: the registry, and the worked example of docs/architecture.md trained through the CLI."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aah_lightning.checkpoint import checkpoint_tokenizer, read_checkpoint
+from aah_lightning.cli import main
+from aah_lightning.data.sources import get_source, is_text, source_names
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.datamodule import TextDataModule
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example_source() -> str:
+    """The Python block of docs/architecture.md's "Adding a data source"."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("## Adding a data source", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+
+
+@pytest.fixture
+def my_sources(tmp_path, monkeypatch):
+    (tmp_path / "my_sources.py").write_text(example_source())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_sources", None)
+
+
+def test_every_built_in_source_is_registered_with_its_contract():
+    assert source_names() == ("stdlib", "files", "tokens", "hub", "synthetic", "recall")
+    assert [get_source(n).has_tokens for n in source_names()] == [True, True, True, True, False, False]
+    assert [n for n in source_names() if get_source(n).streamed] == ["hub"]
+    assert [n for n in source_names() if get_source(n).mixable] == ["stdlib", "files", "tokens"]
+    assert not is_text("recall") and is_text("stdlib") and is_text("no_such_source")
+
+
+def test_an_unknown_source_is_refused_with_what_is_allowed():
+    with pytest.raises(ConfigError, match=r"data.source='nope' .*one of stdlib, files, tokens, hub, synthetic, recall"):
+        TextDataModule(source="nope")
+    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_module'"):
+        TextDataModule(source="no_such_module:x")
+    with pytest.raises(ConfigError, match=r"module 'aah_lightning.errors' registers no data source named 'x'"):
+        TextDataModule(source="aah_lightning.errors:x")
+
+
+def test_the_documented_example_source_trains_through_the_cli(my_sources, tmp_path, tiny_args):
+    data = TextDataModule(source="my_sources:counting", seq_len=16, batch_size=4, synthetic_vocab=10)
+    data.setup("fit")
+    assert data.vocab_size == 11 and data.tokenizer is None
+    item = data.train_set[3]["tokens"]
+    assert torch.equal(item, (torch.arange(17) + 3) % 10)
+    with pytest.raises(ConfigError, match=r"data.synthetic_vocab=1 .*an integer >= 2"):
+        TextDataModule(source="my_sources:counting", synthetic_vocab=1)
+
+    main(tiny_args("--data.source=my_sources:counting", "--data.synthetic_vocab=10", steps=4))
+    saved = read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert saved["global_step"] == 4
+    assert saved["datamodule_hyper_parameters"]["source"] == "my_sources:counting"
+    assert checkpoint_tokenizer(saved) is None  # a source of its own ids: no tokenizer comes with the model
+    # It resumes like any source: the data position is DataPosition's, not the source's.
+    main(tiny_args("--data.source=my_sources:counting", "--data.synthetic_vocab=10", "--ckpt_path=last", steps=6))
+    assert read_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
