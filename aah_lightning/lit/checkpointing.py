@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote, load_checkpoint_file
 from aah_lightning.errors import CheckpointWriteError, ConfigError, require
+from aah_lightning.lit.lightning_private import cluster_environment, inside_accumulation_window, send_step_metrics
 
 # Temporary files are hidden and do not end in .ckpt, so Lightning's "last" search (last*.ckpt) never picks one.
 PARTIAL_PREFIX = ".aah-partial-"
@@ -315,7 +316,7 @@ def release_folder_locks() -> None:
 def _first_process(trainer) -> bool:
     """Whether this is the run's global rank 0, also before the Trainer has set its ranks: processes started by
     torchrun or SLURM know theirs from the environment, those Lightning starts from their node and local rank."""
-    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    environment = cluster_environment(trainer)
     if environment is None:
         return trainer.is_global_zero
     if isinstance(environment, LightningEnvironment):  # its global rank is only set once the Trainer runs
@@ -490,7 +491,7 @@ class LastCheckpoint(ModelCheckpoint):
         finished = 0 < trainer.max_steps <= trainer.global_step
         if finished and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        if trainer.fit_loop._should_accumulate():  # inside an accumulation window: the step is not finished
+        if inside_accumulation_window(trainer):  # inside an accumulation window: the step is not finished
             return
         # Every rank is at the same step boundary here: one collective decides for all of them (and, only when they
         # stop, two more say which signal).
@@ -505,8 +506,7 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         # Lightning sends a step's metrics to the loggers after this hook, which the stop below skips: send them now,
         # as it would (same step, same log_every_n_steps), so that the curves have no hole at the stop step.
-        trainer._logger_connector.on_batch_end()
-        trainer._logger_connector.update_train_step_metrics()
+        send_step_metrics(trainer)
         if not requeue:
             signum = signal.SIGINT if interrupted else signal.SIGTERM
             raise SignalStop(trainer.global_step, self.last_model_path, signum)
@@ -541,7 +541,7 @@ class LastCheckpoint(ModelCheckpoint):
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, self._on_sigint)  # instead of Python's KeyboardInterrupt: nothing would be saved
         # As Lightning's _SignalConnector finds it (a single-device run under srun has a cluster environment too).
-        environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+        environment = cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and not environment.auto_requeue:
             self._requeue_signal = environment.requeue_signal or signal.SIGUSR1
             signal.signal(self._requeue_signal, self._on_requeue_signal)

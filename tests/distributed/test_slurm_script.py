@@ -13,6 +13,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from aah_lightning.cli import AAHCLI
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.lightning_private import cluster_environment
 from aah_lightning.lit.module import AAHModule
 from helpers.cli import PYTHON, REPO, subprocess_env, tiny_config
 
@@ -87,5 +88,5 @@ def test_under_slurm_lightning_leaves_the_requeue_to_the_batch_script(tmp_path, 
     if own_plugin:
         args.append("--trainer.plugins=lightning.fabric.plugins.environments.SLURMEnvironment")
     cli = AAHCLI(AAHModule, TextDataModule, run=False, args=args, auto_configure_optimizers=False)
-    environment = cli.trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(cli.trainer)
     assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue is own_plugin

@@ -83,9 +83,11 @@ def _run(argv: list[str], env: dict, cwd: str, output: str) -> None:
     os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter (the server ignores it)
     # Lightning reads the process's rank from the environment when it is imported; the server imported it without one.
-    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    rank_zero_only.rank = _get_rank() or 0
+    from aah_lightning.lit.lightning_private import rank_from_environment
+
+    rank_zero_only.rank = rank_from_environment() or 0
     sys.argv = ["aah", *argv]
     from aah_lightning.cli import main
 

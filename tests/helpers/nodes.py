@@ -11,6 +11,7 @@ import time
 
 import lightning as L
 
+from aah_lightning.lit.lightning_private import cluster_environment, inside_accumulation_window
 from helpers.launch import rank_env
 
 # Seconds for any one wait: only a guard against a hang. On a machine whose cores are taken by higher-priority work
@@ -43,7 +44,7 @@ class NodeProbe(L.Callback):
         self.folder, self.hold_at, self.hold_node = folder, hold_at, hold_node
 
     def on_train_start(self, trainer, pl_module):
-        env = trainer._accelerator_connector.cluster_environment
+        env = cluster_environment(trainer)
         os.makedirs(self.folder, exist_ok=True)
         _write(
             os.path.join(self.folder, f"start.node{trainer.node_rank}.json"),
@@ -65,7 +66,7 @@ class NodeProbe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.node_rank != self.hold_node or trainer.global_step != self.hold_at:
             return
-        if not trainer.fit_loop._should_accumulate():
+        if not inside_accumulation_window(trainer):
             return
         _write(os.path.join(self.folder, "held.json"), {"pid": os.getpid(), "step": trainer.global_step})
         time.sleep(2 * TIMEOUT)  # longer than the test waits for this file

@@ -16,6 +16,7 @@ import time
 import lightning as L
 
 from aah_lightning.lit.checkpointing import LastCheckpoint
+from aah_lightning.lit.lightning_private import inside_accumulation_window
 from helpers.cli import PYTHON, subprocess_env
 from helpers.launch import read_outputs, start_ranks
 
@@ -58,7 +59,7 @@ class HoldForSigterm(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         mine = trainer.global_rank == self.rank and trainer.global_step == self.at_step
-        if self._held or not mine or not trainer.fit_loop._should_accumulate():
+        if self._held or not mine or not inside_accumulation_window(trainer):
             return
         self._held = True
         self._write("held.json", trainer)

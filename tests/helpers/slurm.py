@@ -9,6 +9,7 @@ import time
 import lightning as L
 
 from aah_lightning.lit.checkpointing import LastCheckpoint
+from aah_lightning.lit.lightning_private import cluster_environment
 
 TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start processes
 
@@ -27,7 +28,7 @@ class SlurmProbe(L.Callback):
             json.dump(record, f)
 
     def on_train_start(self, trainer, pl_module):
-        env = trainer._accelerator_connector.cluster_environment
+        env = cluster_environment(trainer)
         self._write(
             f"start.{self.restart}.rank{trainer.global_rank}.json",
             {

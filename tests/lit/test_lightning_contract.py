@@ -98,3 +98,85 @@ def test_ddp_that_broadcasts_buffers_is_warned_about(one_process_group, broadcas
         module.on_fit_start()
     said = [str(w.message) for w in caught if "broadcasts buffers" in str(w.message)]
     assert len(said) == (1 if broadcast else 0)
+
+
+# -- the private API of lit/lightning_private.py, against the installed Lightning --------------------------------------
+def _boring_fit(callback, **trainer_args):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer_args = {"logger": False, **trainer_args}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **trainer_args,
+    )
+    trainer.fit(BoringModel())
+    return trainer
+
+
+def test_inside_accumulation_window_says_which_batches_end_a_step():
+    import lightning as L
+
+    from aah_lightning.lit.lightning_private import inside_accumulation_window
+
+    class Record(L.Callback):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(inside_accumulation_window(trainer))
+
+    record = Record()
+    _boring_fit(record, accumulate_grad_batches=3)
+    assert record.seen == [True, True, False, True, True, False]
+
+
+def test_send_step_metrics_hands_a_steps_metrics_to_the_logger_inside_the_hook():
+    import lightning as L
+    from lightning.pytorch.loggers import Logger
+
+    from aah_lightning.lit.lightning_private import send_step_metrics
+
+    class Recorder(Logger):
+        name, version, calls = "recorder", 0, []
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.calls.append(dict(metrics))
+
+    class SendEarly(L.Callback):
+        sent: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.log("probe", float(trainer.global_step), on_step=True, on_epoch=False)
+            before = len(trainer.logger.calls)
+            send_step_metrics(trainer)
+            self.sent.append([c["probe"] for c in trainer.logger.calls[before:] if "probe" in c])
+
+    callback = SendEarly()
+    _boring_fit(callback, logger=Recorder(), log_every_n_steps=1)
+    assert callback.sent == [[1.0], [2.0]]
+
+
+def test_cluster_environment_is_the_one_lightning_chose(monkeypatch):
+    import lightning as L
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from aah_lightning.lit.lightning_private import cluster_environment, rank_from_environment
+
+    plain = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert isinstance(cluster_environment(plain), LightningEnvironment)
+    assert cluster_environment(object()) is None
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_NODEID": "0", "SLURM_NODELIST": "node1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    under_slurm = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert isinstance(cluster_environment(under_slurm), SLURMEnvironment)
+    monkeypatch.setenv("RANK", "3")
+    assert rank_from_environment() == 3
