@@ -33,11 +33,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from aah_lightning import validation
+from aah_lightning import preflight
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
-from aah_lightning.lit.callbacks import ProgressBar, Throughput
 from aah_lightning.lit.checkpointing import (
     INTERRUPT_EXIT_CODE,
     SIGTERM_EXIT_CODE,
@@ -52,6 +51,7 @@ from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.lit.throughput import ProgressBar, Throughput
 from aah_lightning.model.config import GPTConfig
 
 
@@ -260,7 +260,7 @@ class AAHCLI(LightningCLI):
         # bf16-mixed on a GPU, fp32 on CPU, unless the config says otherwise.
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         trainer = cfg["trainer"]
-        validation.check_devices(trainer.get("accelerator"), trainer.get("devices"))  # before any class is built
+        preflight.check_devices(trainer.get("accelerator"), trainer.get("devices"))  # before any class is built
         if trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and trainer.get("accelerator") in ("auto", "gpu", "cuda", None)
             trainer["precision"] = "bf16-mixed" if on_gpu else "32-true"
@@ -302,7 +302,7 @@ class AAHCLI(LightningCLI):
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
         cfg = self.config_init[subcommand]
-        path = validation.preflight(
+        path = preflight.preflight(
             self.trainer, self.model, self.datamodule, subcommand, cfg.get("ckpt_path"), cfg.get("weights_only")
         )
         if "ckpt_path" in cfg:
@@ -322,7 +322,7 @@ class AAHCLI(LightningCLI):
             or init_args.get("version") is not None
         ):
             return
-        saved = validation.saved_log_folder(path, weights_only)
+        saved = preflight.saved_log_folder(path, weights_only)
         if saved and (saved["save_dir"], saved["name"]) == (logger.save_dir, logger.name):
             self.trainer.logger = type(logger)(**{**init_args.as_dict(), "version": saved["version"]})
 

@@ -61,7 +61,7 @@ LAYERS = [
     ("checkpoint",),
     ("windows", "retrofit"),
     ("lit",),
-    ("validation", "export", "experiments", "benchmarks", "hf_checkpoint"),
+    ("preflight", "export", "experiments", "benchmarks", "hf_checkpoint"),
     ("cli",),
     ("__main__",),
 ]

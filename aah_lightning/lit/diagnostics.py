@@ -29,8 +29,8 @@ from torch import Tensor
 
 from aah_lightning.data.batch import seq_len_of, split_batch
 from aah_lightning.errors import require
-from aah_lightning.lit.callbacks import host_window_table
 from aah_lightning.lit.media import media_loggers
+from aah_lightning.lit.throughput import host_window_table
 from aah_lightning.windows import metrics
 from aah_lightning.windows.policy_base import PolicyReport
 from aah_lightning.windows.probe import mass_within, run_probe

@@ -9,7 +9,7 @@ from aah_lightning.errors import ConfigError, require
 from aah_lightning.model.attention import backend_names
 
 # Every registered attention backend, as a type: ``--help`` lists the choices and the parser refuses others.
-Backend = Literal[backend_names()]
+BackendName = Literal[backend_names()]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class GPTConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_seq_len: int = 8192
     # Attention execution (same semantics everywhere; see model/attention/).
-    backend: Backend = "auto"
+    backend: BackendName = "auto"
     block_size: int = 128
     document_mask: bool = False
     # How the Lightning module runs the GPT (lit/distributed.prepare_model, lit/evaluation.widen_full_windows).

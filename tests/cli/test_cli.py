@@ -81,9 +81,9 @@ def test_validation_interval_longer_than_the_run_validates_at_the_end(tmp_path, 
 
 def test_the_progress_bar_of_a_step_bounded_run_has_no_negative_epoch_limit(tmp_path):
     from aah_lightning.cli import AAHCLI
-    from aah_lightning.lit.callbacks import ProgressBar
     from aah_lightning.lit.datamodule import TextDataModule
     from aah_lightning.lit.module import AAHModule
+    from aah_lightning.lit.throughput import ProgressBar
     from helpers.cli import tiny_config
 
     config = tiny_config(tmp_path, trainer={"enable_progress_bar": True})

@@ -15,7 +15,7 @@ import zipfile
 import lightning as L
 import pytest
 
-from aah_lightning import validation
+from aah_lightning import preflight
 from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
@@ -154,7 +154,7 @@ def _warnings_of(module, data) -> list[str]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        validation.warn_questionable(module, data)
+        preflight.warn_questionable(module, data)
     return [str(w.message) for w in caught]
 
 
@@ -488,7 +488,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    monkeypatch.setattr(validation, "_accelerators", lambda: {"cpu": True, "cuda": False, "mps": False, "tpu": False})
+    monkeypatch.setattr(preflight, "_accelerators", lambda: {"cpu": True, "cuda": False, "mps": False, "tpu": False})
 
 
 @pytest.fixture
@@ -499,7 +499,7 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    monkeypatch.setattr(validation, "_accelerators", lambda: {"cpu": True, "cuda": True, "mps": False, "tpu": False})
+    monkeypatch.setattr(preflight, "_accelerators", lambda: {"cpu": True, "cuda": True, "mps": False, "tpu": False})
 
 
 PREDICT_OUT = "predict_out.jsonl"

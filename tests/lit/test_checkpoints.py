@@ -24,7 +24,7 @@ from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, 
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
-from aah_lightning.validation import resolve_ckpt_path
+from aah_lightning.preflight import resolve_ckpt_path
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import available_policies
 from helpers.cli import PYTHON, cli_error, subprocess_env, tiny_config, train_tiny

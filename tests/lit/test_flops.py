@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from aah_lightning.lit import flops
-from aah_lightning.lit.callbacks import Throughput, compute_dtype, default_peak_flops
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.lit.throughput import Throughput, compute_dtype, default_peak_flops
 from aah_lightning.model import masks
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
