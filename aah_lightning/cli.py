@@ -34,6 +34,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning import preflight
+from aah_lightning.checkpoint import LOG_FOLDER_KEY
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
@@ -302,15 +303,15 @@ class AAHCLI(LightningCLI):
     def _preflight(self, subcommand: str) -> None:
         # Runs after every class is built and before the Trainer starts: device, tokenizer and checkpoint checks.
         cfg = self.config_init[subcommand]
-        path = preflight.preflight(
+        path, resumed = preflight.preflight(
             self.trainer, self.model, self.datamodule, subcommand, cfg.get("ckpt_path"), cfg.get("weights_only")
         )
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = path  # 'last' resolved to the file just checked, so Lightning loads that one
-        if subcommand == "fit" and path:
-            self._continue_log_folder(path, cfg.get("weights_only"))
+        if subcommand == "fit" and resumed is not None:
+            self._continue_log_folder(resumed)
 
-    def _continue_log_folder(self, path: str, weights_only) -> None:
+    def _continue_log_folder(self, resumed: preflight.Resumed) -> None:
         """A resumed run logs on in the folder of the run it continues (one TensorBoard version, one config.yaml),
         unless the config gives the logger a version or points it elsewhere."""
         logger, spec = self.trainer.logger, self.config[self.subcommand]["trainer"].get("logger")
@@ -322,7 +323,7 @@ class AAHCLI(LightningCLI):
             or init_args.get("version") is not None
         ):
             return
-        saved = preflight.saved_log_folder(path, weights_only)
+        saved = resumed.entry(LOG_FOLDER_KEY)
         if saved and (saved["save_dir"], saved["name"]) == (logger.save_dir, logger.name):
             self.trainer.logger = type(logger)(**{**init_args.as_dict(), "version": saved["version"]})
 

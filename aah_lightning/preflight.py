@@ -19,7 +19,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.checkpoint import (
     DATAMODULE_STATE_KEY,
-    LOG_FOLDER_KEY,
     check_matches,
     checkpoint_step,
     read_checkpoint,
@@ -89,30 +88,44 @@ def _written(path: str) -> Optional[float]:
     return os.path.getmtime(metadata) if os.path.isfile(metadata) else None
 
 
-def check_checkpoint(path: str, module, weights_only: Optional[bool] = None) -> None:
-    """Verify the file (complete, checksums, safe to unpickle) and that it fits ``module``, reading only the pickle:
-    the tensors are memory-mapped, so this costs one checksum pass, not a second full load."""
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
-        return  # a torch.distributed.checkpoint folder: the strategy reads and checks it
-    checkpoint = read_checkpoint(path, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
-    check_matches(checkpoint, module, path)
+@dataclasses.dataclass
+class Resumed:
+    """The checkpoint a command starts from (``--ckpt_path``), read once before the Trainer starts; every check and
+    lookup before the run reads this copy. Lightning then loads the file itself, once, through the run's
+    ``AtomicCheckpointIO``: where the tensors go (which device, which shards) is the strategy's to decide, so that
+    second read is deliberate.
 
+    ``checkpoint``: the dict as read (verified, weights-only unless ``--weights_only false``, tensors memory-mapped:
+    only the pickle is read); for a torch.distributed.checkpoint folder (FSDP2), the plain entries of its ``meta.pt``,
+    and ``sharded`` is True (the strategy reads and checks the weights)."""
 
-def _saved_entry(path: str, key: str, weights_only: Optional[bool] = None):
-    """Entry ``key`` of checkpoint ``path`` (a file, or the ``meta.pt`` of a torch.distributed.checkpoint folder)."""
-    if path in _LIGHTNING_KEYWORDS or "://" in str(path):
-        return None
-    if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
-        meta = os.path.join(path, "meta.pt")
-        checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}
-    else:
+    path: str
+    checkpoint: dict
+    sharded: bool = False
+
+    @classmethod
+    def read(cls, path: Optional[str], weights_only: Optional[bool] = None) -> Optional[Resumed]:
+        """None for no checkpoint, a keyword Lightning resolves itself (``best``, ``hpc``) or a remote path."""
+        if not path or path in _LIGHTNING_KEYWORDS or "://" in str(path):
+            return None
+        if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
+            meta = os.path.join(path, "meta.pt")
+            checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}
+            return cls(path, checkpoint, sharded=os.path.exists(os.path.join(path, ".metadata")))
         checkpoint = read_checkpoint(path, weights_only=weights_only is not False, mmap=True, setting="ckpt_path")
-    return checkpoint.get(key)
+        return cls(path, checkpoint)
 
+    def entry(self, key: str):
+        return self.checkpoint.get(key)
 
-def saved_log_folder(path: str, weights_only: Optional[bool] = None) -> Optional[dict]:
-    """The log folder ``{"save_dir", "name", "version"}`` the run saved in checkpoint ``path``, if it says."""
-    return _saved_entry(path, LOG_FOLDER_KEY, weights_only)
+    def check(self, module, datamodule, trainer, stage: str) -> None:
+        """The checkpoint against the model about to load it (shapes, settings), and for ``fit`` the data position
+        against this run's data layout (``DataPosition.check_resume``)."""
+        if not self.sharded:
+            check_matches(self.checkpoint, module, self.path)
+        saved = self.entry(DATAMODULE_STATE_KEY)
+        if stage == "fit" and hasattr(datamodule, "check_resume") and saved and "layout" in saved:
+            datamodule.check_resume(saved["layout"], trainer)
 
 
 def check_schedule(trainer) -> None:
@@ -264,25 +277,28 @@ def warn_questionable(module, datamodule) -> None:
             )
 
 
-def preflight(trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None) -> Optional[str]:
-    """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any)."""
+def preflight(
+    trainer, module, datamodule, stage: str, ckpt_path=None, weights_only=None
+) -> tuple[Optional[str], Optional[Resumed]]:
+    """Everything that can be known before the Trainer starts; returns the checkpoint file to load (if any) and the
+    one read of it that the checks used (``Resumed``; None where Lightning resolves the path itself).
+
+    In order: the run as a whole (model, data, device); for ``fit`` the settings that are derived rather than given
+    (``trainer.accumulate_grad_batches`` from ``data.global_batch_size``: the one place a check sets something), the
+    schedule and the checkpoint folders; the checkpoint; last, the checkpoint folder's lock."""
     check_run(module, datamodule, trainer.strategy.root_device, stage)
     if stage == "fit":
         warn_questionable(module, datamodule)
-    if stage == "fit":
-        if hasattr(datamodule, "resolve_accumulation"):  # data.global_batch_size sets the accumulation
+        if hasattr(datamodule, "resolve_accumulation"):  # derived: data.global_batch_size sets the accumulation
             datamodule.resolve_accumulation(trainer)
         check_schedule(trainer)
         check_checkpoint_folders(trainer)
     path = resolve_ckpt_path(trainer, ckpt_path, weights_only)
-    if path and path not in _LIGHTNING_KEYWORDS and "://" not in str(path):
-        check_checkpoint(path, module, weights_only)
-        if stage == "fit" and hasattr(datamodule, "check_resume"):
-            saved = _saved_entry(path, DATAMODULE_STATE_KEY, weights_only)
-            if saved and "layout" in saved:
-                datamodule.check_resume(saved["layout"], trainer)
+    resumed = Resumed.read(path, weights_only)
+    if resumed is not None:
+        resumed.check(module, datamodule, trainer, stage)
     if stage == "fit":  # last: a run refused by a check above holds no lock
         for cb in trainer.callbacks:
             if isinstance(cb, LastCheckpoint):
                 cb.lock_folder(trainer, create=False)
-    return path
+    return path, resumed

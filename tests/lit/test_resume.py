@@ -184,3 +184,24 @@ def test_a_checkpoint_of_another_world_size_validates_and_its_resume_fix_works(t
     assert line.endswith("set data.global_batch_size=8 (or trainer.accumulate_grad_batches=2) to resume it")
     main([*fit, "--data.global_batch_size=8"])
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+@pytest.mark.parametrize("given", ["file", "last"])
+def test_a_resume_reads_its_checkpoint_once_before_lightning_loads_it(tmp_path, tiny_args, monkeypatch, given):
+    # The checks before the run (the model's shape, the data layout, the log folder) share one read; Lightning's own
+    # load through AtomicCheckpointIO is the other. "last" reads the candidates once more to find the highest step.
+    main(tiny_args(steps=2))
+    last = os.fspath(tmp_path / "ckpt" / "last.ckpt")
+    reads = []
+    load = torch.load
+
+    def counting(f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and os.fspath(f) == last:
+            reads.append(kwargs.get("mmap", False))
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    main(tiny_args(f"--ckpt_path={last if given == 'file' else 'last'}", steps=3))
+    # the pickle-only reads (memory-mapped) before the run, then Lightning's one full read
+    assert reads == ([True, False] if given == "file" else [True, True, False])
+    assert load(last, weights_only=True)["global_step"] == 3
