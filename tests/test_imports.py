@@ -110,3 +110,15 @@ def test_no_module_imports_from_a_higher_layer():
             if part == "" or RANK[part] >= RANK[own]:
                 wrong.append(f"aah_lightning/{rel}:{line} ({own}) imports {part or 'the package itself'}")
     assert not wrong, "imports from the same or a higher layer:\n" + "\n".join(wrong)
+
+
+def test_the_policy_contract_imports_no_policy():
+    # windows/policy_base.py is what every policy builds on: it names the built-in policies' modules (to register
+    # them on first use) but imports none of them, nor anything of the controller's.
+    plugins = ("aah_lightning.windows.policies", "aah_lightning.windows.shuffle", "aah_lightning.windows.controller")
+    import ast
+
+    tree = ast.parse((ROOT / "aah_lightning" / "windows" / "policy_base.py").read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert imported and not [m for m in imported if m.startswith(plugins)], imported

@@ -28,7 +28,7 @@ from aah_lightning.model import window_math
 from aah_lightning.model.window_math import block_density, causal_coverage, causal_pairs
 
 if TYPE_CHECKING:  # type hints only: the controller imports this module
-    from aah_lightning.windows.controller.hierarchy import GroupTree
+    from aah_lightning.windows.groups import GroupTree
 
 __all__ = ["acr", "block_density", "causal_coverage", "causal_pairs"]
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from aah_lightning.errors import ConfigError
-from aah_lightning.windows.controller.hierarchy import GroupTree
+from aah_lightning.windows.groups import GroupTree
 
 if TYPE_CHECKING:  # the settings type only: config.py does not import policies, and policies import this module
     from aah_lightning.windows.config import AAHConfig

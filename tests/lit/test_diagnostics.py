@@ -22,7 +22,7 @@ from aah_lightning.model.gpt import GPT
 from aah_lightning.windows import metrics, plots
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller.adaptive import AdaptivePolicy
-from aah_lightning.windows.controller.hierarchy import GroupTree
+from aah_lightning.windows.groups import GroupTree
 from aah_lightning.windows.policies import StaticPolicy
 from aah_lightning.windows.policy_base import PolicyReport
 from aah_lightning.windows.probe import ProbeResult, full_causal_probs, mass_within, run_probe

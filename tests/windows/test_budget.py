@@ -15,7 +15,7 @@ from aah_lightning.windows.controller.allocators import (
     needed_index,
     window_costs,
 )
-from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.groups import Hierarchy
 from helpers.controller_inputs import adaptive, random_profiles, synthetic_features
 
 

@@ -14,9 +14,9 @@ import torch.nn as nn
 from aah_lightning.cli import main
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.controller.allocators import LayerInputs
-from aah_lightning.windows.controller.hierarchy import Hierarchy
 from aah_lightning.windows.controller.paper_allocator import PaperAllocator
 from aah_lightning.windows.controller.registry import ALLOCATORS, make_allocator
+from aah_lightning.windows.groups import Hierarchy
 from aah_lightning.windows.policy_base import make_policy
 from helpers.controller_inputs import random_profiles, synthetic_features
 

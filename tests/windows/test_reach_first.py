@@ -15,7 +15,7 @@ from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.controller.allocators import LayerInputs
 from aah_lightning.windows.controller.budget import allocate_within_budget
 from aah_lightning.windows.controller.gain import run_gain_probe
-from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.groups import Hierarchy
 from aah_lightning.windows.policy_base import make_policy
 
 T, VOCAB, DISTANCE, HEADS = 32, 16, 20, 4

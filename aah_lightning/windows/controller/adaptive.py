@@ -35,8 +35,9 @@ from aah_lightning.windows.controller.grouping import (
     random_partition,
     singletons,
 )
-from aah_lightning.windows.controller.hierarchy import GroupTree, Hierarchy, build_hierarchy
+from aah_lightning.windows.controller.hierarchy import build_hierarchy
 from aah_lightning.windows.controller.registry import make_allocator
+from aah_lightning.windows.groups import GroupTree, Hierarchy
 from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.windows.probe import run_probe
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from aah_lightning.windows import metrics
-from aah_lightning.windows.controller.hierarchy import Hierarchy
+from aah_lightning.windows.groups import Hierarchy
 
 # Float slack for comparing masses and costs that were computed in different orders.
 _EPS = 1e-9

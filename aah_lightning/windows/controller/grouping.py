@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-Partition = list[list[int]]
+from aah_lightning.windows.groups import Partition
 
 
 def pairwise_distances(z: Tensor, metric: str) -> Tensor:
