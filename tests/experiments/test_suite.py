@@ -255,7 +255,7 @@ def test_a_report_merged_from_recorded_results_rebuilds_their_tables(tmp_path):
     were written from the runs themselves."""
     recorded = os.path.join(REPO, "docs", "frontier_recall10")
     out = tmp_path / "out"
-    seeds = [str(s) for s in range(20)]
+    seeds = [str(s) for s in range(30)]
     args = ["--rows", os.path.join(REPO, "configs", "recall"), "--seeds", *seeds, "--out", str(out), "--report"]
     assert run_tool("suite", *args, "--merge", recorded) == 0
     assert not any(out.glob("*/seed*"))  # nothing was run
