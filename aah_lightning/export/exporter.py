@@ -34,7 +34,7 @@ from aah_lightning.model.config import GPTConfig
 HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 CODE_FILES = ("configuration_aah.py", "modeling_aah.py")
 AUTO_MAP = {
-    "AutoConfig": "configuration_aah.AAHConfig",
+    "AutoConfig": "configuration_aah.AAHTransformersConfig",
     "AutoModel": "modeling_aah.AAHModel",
     "AutoModelForCausalLM": "modeling_aah.AAHForCausalLM",
 }
@@ -55,7 +55,7 @@ class ExportPlan:
     """Everything an export writes, read and checked, in memory."""
 
     ckpt_path: str
-    config: object  # AAHConfig (Hugging Face)
+    config: object  # AAHTransformersConfig (the exported model's transformers config)
     tensors: dict[str, torch.Tensor]
     tokenizer: TokenizerExport | None
     card: str
@@ -112,9 +112,9 @@ _ROPE_FIELDS = {
 def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
     """The exported model's config: ``gpt``'s shape (the Llama family's settings included), the window table and the
     special tokens."""
-    from aah_lightning.export.hf_code.configuration_aah import AAHConfig
+    from aah_lightning.export.hf_code.configuration_aah import AAHTransformersConfig
 
-    config = AAHConfig(
+    config = AAHTransformersConfig(
         vocab_size=gpt.vocab_size,
         hidden_size=gpt.n_embd,
         num_hidden_layers=gpt.n_layer,

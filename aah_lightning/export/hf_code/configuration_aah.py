@@ -22,7 +22,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 
-class AAHConfig(PretrainedConfig):
+class AAHTransformersConfig(PretrainedConfig):
     """Shape, window table and special tokens of an aah GPT (pre-norm blocks, rotary positions; the Llama family's
     settings as in the module docstring)."""
 

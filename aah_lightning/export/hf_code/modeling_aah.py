@@ -36,7 +36,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .configuration_aah import AAHConfig
+from .configuration_aah import AAHTransformersConfig
 
 # transformers renamed the cache argument and output field from ``past_key_values`` to ``cache`` (5.x); the model
 # accepts both names and fills the field the installed version defines.
@@ -49,7 +49,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def inv_frequencies(config: AAHConfig, device=None) -> torch.Tensor:
+def inv_frequencies(config: AAHTransformersConfig, device=None) -> torch.Tensor:
     """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``rope_base ** (-2i / D)``, then the scaling:
     ``linear`` divides every frequency by ``rope_factor``; ``llama3`` (Llama 3.1) divides those whose wavelength
     exceeds ``original / low_freq_factor`` by it, keeps those below ``original / high_freq_factor``, and blends the
@@ -115,7 +115,7 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def make_norm(config: AAHConfig, dim: int) -> nn.Module:
+def make_norm(config: AAHTransformersConfig, dim: int) -> nn.Module:
     """The norm of ``config.norm`` over ``dim`` channels (LayerNorm has a bias only with ``config.bias``)."""
     if config.norm == "rmsnorm":
         return RMSNorm(dim, config.layer_norm_eps)
@@ -126,7 +126,7 @@ class AAHAttention(nn.Module):
     """``num_attention_heads`` query heads, ``num_key_value_heads`` key/value heads (query head ``h`` reads key/value
     head ``h // group``). The fused ``qkv`` projection holds the rows of q, then k, then v."""
 
-    def __init__(self, config: AAHConfig, layer_idx: int):
+    def __init__(self, config: AAHTransformersConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = (
@@ -168,7 +168,7 @@ class AAHAttention(nn.Module):
 class AAHMLP(nn.Module):
     """``proj(gelu(fc x))``."""
 
-    def __init__(self, config: AAHConfig):
+    def __init__(self, config: AAHTransformersConfig):
         super().__init__()
         self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
@@ -180,7 +180,7 @@ class AAHMLP(nn.Module):
 class AAHSwiGLU(nn.Module):
     """The Llama family's gated MLP: ``proj(silu(gate x) * up x)``."""
 
-    def __init__(self, config: AAHConfig):
+    def __init__(self, config: AAHTransformersConfig):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
         self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
@@ -191,7 +191,7 @@ class AAHSwiGLU(nn.Module):
 
 
 class AAHBlock(nn.Module):
-    def __init__(self, config: AAHConfig, layer_idx: int):
+    def __init__(self, config: AAHTransformersConfig, layer_idx: int):
         super().__init__()
         self.ln1 = make_norm(config, config.hidden_size)
         self.attn = AAHAttention(config, layer_idx)
@@ -205,7 +205,7 @@ class AAHBlock(nn.Module):
 
 
 class AAHPreTrainedModel(PreTrainedModel):
-    config_class = AAHConfig
+    config_class = AAHTransformersConfig
     base_model_prefix = "model"
     _no_split_modules = ["AAHBlock"]
     supports_gradient_checkpointing = False
@@ -220,7 +220,7 @@ class AAHModel(AAHPreTrainedModel):
 
     _auto_class = "AutoModel"  # as AAHForCausalLM's
 
-    def __init__(self, config: AAHConfig):
+    def __init__(self, config: AAHTransformersConfig):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(AAHBlock(config, i) for i in range(config.num_hidden_layers))
@@ -316,7 +316,7 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
     # 4.50 does not set it when loading a folder with trust_remote_code, and saved a folder that could not load).
     _auto_class = "AutoModelForCausalLM"
 
-    def __init__(self, config: AAHConfig):
+    def __init__(self, config: AAHTransformersConfig):
         super().__init__(config)
         self.model = AAHModel(config)
         # Tied: the logits reuse the embedding matrix (no second weight, nothing for transformers to tie).
@@ -408,4 +408,4 @@ class AAHForCausalLM(AAHPreTrainedModel, GenerationMixin):
         return out if return_dict is not False else out.to_tuple()
 
 
-__all__ = ["AAHConfig", "AAHForCausalLM", "AAHModel", "AAHPreTrainedModel"]
+__all__ = ["AAHTransformersConfig", "AAHForCausalLM", "AAHModel", "AAHPreTrainedModel"]
