@@ -123,9 +123,13 @@ class Resumed:
         against this run's data layout (``DataPosition.check_resume``)."""
         if not self.sharded:
             check_matches(self.checkpoint, module, self.path)
+            if hasattr(module, "checked_checkpoint"):  # its on_load_checkpoint need not check this file again
+                module.checked_checkpoint = os.path.realpath(self.path)
         saved = self.entry(DATAMODULE_STATE_KEY)
         if stage == "fit" and hasattr(datamodule, "check_resume") and saved and "layout" in saved:
             datamodule.check_resume(saved["layout"], trainer)
+            if hasattr(datamodule, "position"):  # nor its load_state_dict this layout
+                datamodule.position.checked_layout = saved["layout"]
 
 
 def check_schedule(trainer) -> None:

@@ -54,6 +54,7 @@ class DataPosition:
         self.source, self.streamed, self.seed, self.batch_size = source, streamed, seed, batch_size
         self.global_batch_size, self.num_workers = global_batch_size, num_workers
         self.restored: dict | None = None  # the data state of the checkpoint being resumed
+        self.checked_layout: dict | None = None  # a saved layout the CLI's preflight already checked
         self._counts_restated = False  # Lightning's batch count restated for the restored layout (once)
         self.streams: dict = {}  # {worker id: position after the last block trained on} (streamed sources)
 
@@ -132,7 +133,8 @@ class DataPosition:
         """Take a resumed fit's data state (checked against this run's layout ``now``); warns where a setting that
         changes the batches (seed, source, training blocks) differs."""
         self.restored, self._counts_restated = state, False
-        self.check_resume(state["layout"], now)
+        if state["layout"] != self.checked_layout:  # not checked before (code driving a Trainer directly)
+            self.check_resume(state["layout"], now)
         changed = {k: (v, now.get(k)) for k, v in state["layout"].items() if k not in FREE_LAYOUT and now.get(k) != v}
         if changed:
             rank_zero_warn(

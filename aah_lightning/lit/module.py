@@ -186,6 +186,7 @@ class AAHModule(L.LightningModule):
         self.window_usage = WindowUsage(n_layer, n_head, seq_len)
         self._prepared = False
         self._rng_to_restore = None
+        self.checked_checkpoint: str | None = None  # the file the CLI's preflight already checked against this model
         self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
         self.generation = GenerationConfig()  # aah predict's settings: lit/generation.GenerationWriter sets them
 
@@ -380,7 +381,9 @@ class AAHModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
         trainer = self._trainer
-        check_matches(checkpoint, self, str(getattr(trainer, "ckpt_path", None) or "checkpoint"))
+        path = str(getattr(trainer, "ckpt_path", None) or "checkpoint")
+        if self.checked_checkpoint is None or self.checked_checkpoint != os.path.realpath(path):
+            check_matches(checkpoint, self, path)  # not checked before (code driving a Trainer directly)
         if self.gpt_config.full_heads_beyond_trained == "whole_context":
             widen_full_windows(checkpoint, self.gpt_config.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get(POLICY_KEY, {}))

@@ -205,3 +205,27 @@ def test_a_resume_reads_its_checkpoint_once_before_lightning_loads_it(tmp_path, 
     # the pickle-only reads (memory-mapped) before the run, then Lightning's one full read
     assert reads == ([True, False] if given == "file" else [True, True, False])
     assert load(last, weights_only=True)["global_step"] == 3
+
+
+def test_a_resume_checks_the_model_and_the_data_layout_once(tmp_path, tiny_args, monkeypatch):
+    # The CLI checks before the Trainer starts; the hooks Lightning calls while it restores (on_load_checkpoint,
+    # the data module's load_state_dict) check only what was not checked before (a Trainer driven directly).
+    from aah_lightning import preflight
+    from aah_lightning.lit import module as module_mod
+    from aah_lightning.lit.data_position import DataPosition
+
+    main(tiny_args(steps=2))
+    calls = {"model": 0, "data": 0}
+
+    def counted(kind, real):
+        def wrapper(*args, **kwargs):
+            calls[kind] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(preflight, "check_matches", counted("model", preflight.check_matches))
+    monkeypatch.setattr(module_mod, "check_matches", counted("model", module_mod.check_matches))
+    monkeypatch.setattr(DataPosition, "check_resume", counted("data", DataPosition.check_resume))
+    main(tiny_args("--ckpt_path=last", steps=3))
+    assert calls == {"model": 1, "data": 1}
