@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor
 
-from aah_lightning.errors import ConfigError
+from aah_lightning.plugins import find_plugin
 from aah_lightning.windows.groups import GroupTree
 
 if TYPE_CHECKING:  # the settings type only: config.py does not import policies, and policies import this module
@@ -92,21 +92,7 @@ def policy_class(name: str) -> type[WindowPolicy]:
     """The class ``model.aah.policy`` names: a registered name, or ``module:name`` of a policy in another module."""
     if name not in POLICIES:
         _load_builtins()
-    if name not in POLICIES and isinstance(name, str) and ":" in name:
-        module, _, short = name.partition(":")
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"model.aah.policy={name!r}: cannot import module {module!r} ({e})") from None
-        if short in POLICIES:
-            return POLICIES[short]
-        raise ConfigError(f"model.aah.policy={name!r}: module {module!r} registers no policy named {short!r}")
-    if name not in POLICIES:
-        raise ConfigError(
-            f"model.aah.policy={name!r} is not allowed: one of {', '.join(sorted(POLICIES))} (or module:name of a "
-            f"policy registered in an importable module)"
-        )
-    return POLICIES[name]
+    return find_plugin(POLICIES, name, "model.aah.policy", "policy", names=lambda: sorted(POLICIES))
 
 
 class WindowPolicy:

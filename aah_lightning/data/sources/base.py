@@ -26,11 +26,11 @@ counts only some targets adds ``loss_mask`` (bool) and ``recall_distance`` (int6
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError
+from aah_lightning.plugins import find_plugin
 
 _REGISTRY: dict[str, type[DataSource]] = {}
 
@@ -82,23 +82,8 @@ def source_names() -> tuple[str, ...]:
 
 def get_source(name: str) -> type[DataSource]:
     """The class ``data.source`` names: a registered name, or ``module:name`` of a source registered in another
-    importable module (imported here, as ``model.aah.policy`` does for policies)."""
-    if name not in _REGISTRY and isinstance(name, str) and ":" in name:
-        module, _, short = name.partition(":")
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"data.source={name!r}: cannot import module {module!r} ({e})") from None
-        if short in _REGISTRY:
-            return _REGISTRY[short]
-        raise ConfigError(f"data.source={name!r}: module {module!r} registers no data source named {short!r}")
-    require(
-        name in _REGISTRY,
-        "data.source",
-        name,
-        f"one of {', '.join(_REGISTRY)} (or module:name of a source registered in an importable module)",
-    )
-    return _REGISTRY[name]
+    importable module (imported first, as ``model.aah.policy`` does for policies)."""
+    return find_plugin(_REGISTRY, name, "data.source", "data source")
 
 
 def is_text(name: str) -> bool:
