@@ -153,7 +153,16 @@ def keys_table() -> str:
 # dicts, as ``--model.n_layer``; 2: one dict per settings dataclass, ``gpt``, ``aah`` and ``optim``
 # (``--model.gpt.n_layer``). ``upgrade_hyperparameters`` reads every earlier layout as today's.
 HPARAMS_FORMAT_ENTRY = "_format"
-HPARAMS_FORMAT = 2
+HPARAMS_FORMAT = 3
+# Format 2 kept the simple policies' settings flat in ``aah``; format 3 moved each into its policy's block
+# (``aah.fixed.window``). The same keys given flat in a config still work, with one deprecation line (AAHConfig).
+FLAT_POLICY_SETTINGS = {
+    "window": ("fixed",),
+    "warmup_steps": ("fixed",),
+    "table": ("static", "random"),
+    "long_layer": ("random",),
+    "redraw_interval": ("random", "shuffle"),
+}
 # Format 1's flat settings, which format 2 holds in ``gpt``.
 _FLAT_GPT_SETTINGS = (
     "vocab_size",
@@ -325,17 +334,25 @@ def plain_key(key: str) -> str:
 
 def upgrade_hyperparameters(hparams: Mapping) -> dict:
     """The module's hyperparameters ``hparams`` of any layout in today's (``HPARAMS_FORMAT``): format 1's flat GPT
-    settings moved into ``gpt``. A layout newer than this code knows is a ``ConfigError``."""
+    settings moved into ``gpt``, format 1's and 2's flat policy settings into their policy's
+    block. A layout newer than this code knows is a ``ConfigError``."""
     hparams = dict(hparams)
     version = hparams.pop(HPARAMS_FORMAT_ENTRY, 1)
-    if version == 1:
-        gpt = {k: hparams.pop(k) for k in _FLAT_GPT_SETTINGS if k in hparams}
-        hparams = {"gpt": gpt, **hparams}
-    elif version != HPARAMS_FORMAT:
+    if version not in (1, 2, HPARAMS_FORMAT):
         raise ConfigError(
             f"the checkpoint's hyperparameters have layout {version!r}, this aah reads up to {HPARAMS_FORMAT}: it was "
             f"written by a newer aah"
         )
+    if version == 1:
+        gpt = {k: hparams.pop(k) for k in _FLAT_GPT_SETTINGS if k in hparams}
+        hparams = {"gpt": gpt, **hparams}
+    if version in (1, 2) and isinstance(hparams.get("aah"), Mapping):
+        aah = dict(hparams["aah"])
+        for key, blocks in FLAT_POLICY_SETTINGS.items():
+            value = aah.pop(key, None)
+            for block in blocks if value is not None else ():
+                aah[block] = {**aah.get(block, {}), key: value}
+        hparams["aah"] = aah
     hparams[HPARAMS_FORMAT_ENTRY] = HPARAMS_FORMAT
     return hparams
 

@@ -71,7 +71,9 @@ def copy_source(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("copy_source")
     table = str(SOURCE_TABLE).replace(" ", "")
     main(
-        copy_args(folder, "--model.aah.policy=static", f"--model.aah.table={table}", "--model.optim.lr=3e-3", steps=250)
+        copy_args(
+            folder, "--model.aah.policy=static", f"--model.aah.static.table={table}", "--model.optim.lr=3e-3", steps=250
+        )
     )
     assert read_run(folder / "rec")[-1]["loss"] < 0.05
     return str(folder / "ckpt" / "last.ckpt")
@@ -113,7 +115,11 @@ def test_a_uniform_window_at_that_budget_cannot_keep_the_copy(copy_source, tmp_p
     """The control: the same weights under one window for all at ACR 0.25 (8 tokens) lose the copy."""
     main(
         copy_args(
-            tmp_path, f"--model.init_from={copy_source}", "--model.aah.policy=fixed", "--model.aah.window=8", steps=1
+            tmp_path,
+            f"--model.init_from={copy_source}",
+            "--model.aah.policy=fixed",
+            "--model.aah.fixed.window=8",
+            steps=1,
         )
     )
     assert read_run(tmp_path / "rec")[0]["loss"] > 1.5

@@ -217,7 +217,7 @@ def compiled_training(args, activation_checkpointing: bool, warmup: int, steps: 
             compile_blocks=True,
             activation_checkpointing=activation_checkpointing,
         ),
-        aah=AAHConfig(policy="random", candidates=cands, redraw_interval=1, seed=0),
+        aah=AAHConfig(policy="random", candidates=cands, random={"redraw_interval": 1}, seed=0),
         optim=OptimConfig(lr=1e-3, warmup_steps=2),
     )
     probe = Probe()

@@ -165,7 +165,7 @@ class AAHModule(L.LightningModule):
         # The settings dataclasses as plain dicts (checkpoints load with torch.load(weights_only=True)), with the
         # version of this layout (checkpoint.HPARAMS_FORMAT_ENTRY).
         self.save_hyperparameters(
-            {"gpt": asdict(gpt), "aah": asdict(aah), "optim": asdict(optim), HPARAMS_FORMAT_ENTRY: HPARAMS_FORMAT}
+            {"gpt": asdict(gpt), "aah": aah.settings(), "optim": asdict(optim), HPARAMS_FORMAT_ENTRY: HPARAMS_FORMAT}
         )
         optim.validate()
         self.gpt_config, self.aah_config, self.optim_config = gpt, aah, optim

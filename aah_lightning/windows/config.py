@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional
 
+from aah_lightning.checkpoint import FLAT_POLICY_SETTINGS
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.windows.controller.allocators import window_costs
 from aah_lightning.windows.controller.registry import ALLOCATORS
@@ -256,45 +258,134 @@ class ControllerConfig:
 
 
 @dataclass
+class FixedConfig:
+    """Settings of the ``fixed`` policy (``model.aah.fixed``).
+
+    Attributes:
+        window: every head's window.
+        warmup_steps: every head sees the whole context for this many steps first, then ``window`` (the control that
+            gives one window for all the controller's full-context warmup).
+    """
+
+    window: Optional[int] = None
+    warmup_steps: int = 0
+
+
+@dataclass
+class StaticConfig:
+    """Settings of the ``static`` policy (``model.aah.static``).
+
+    Attributes:
+        table: the windows, one list of ``n_head`` ints per layer.
+    """
+
+    table: Optional[list[list[int]]] = None
+
+
+@dataclass
+class RandomConfig:
+    """Settings of the ``random`` policy (``model.aah.random``).
+
+    Attributes:
+        table: the windows each draw places at random over all heads (one list of ``n_head`` ints per layer); None:
+            each head draws from the candidates.
+        long_layer: with a ``table``: its widest window goes to a random head of this layer and the other windows at
+            random over the remaining heads (a placement stratified by layer); None = anywhere.
+        redraw_interval: draw again every this many steps (0 = draw once at the start).
+    """
+
+    table: Optional[list[list[int]]] = None
+    long_layer: Optional[int] = None
+    redraw_interval: int = 0
+
+
+@dataclass
+class ShuffleConfig:
+    """Settings of the ``shuffle`` policy (``model.aah.shuffle``; the controller it wraps reads
+    ``model.aah.controller``).
+
+    Attributes:
+        redraw_interval: re-permute every this many steps as well as at each decision (0 = at decisions only).
+    """
+
+    redraw_interval: int = 0
+
+
+_BLOCKS = {"fixed": FixedConfig, "static": StaticConfig, "random": RandomConfig, "shuffle": ShuffleConfig}
+
+
+@dataclass
 class AAHConfig:
     """Which policy writes the window table, and its settings.
 
     Attributes:
-        policy: a registered policy: ``full`` (every head W = T), ``fixed`` (every head ``window``), ``static``
-            (explicit ``table``), ``random`` (seeded draw from ``candidates``, or
-            ``table``'s windows placed at random over all heads), ``adaptive`` (the AAH controller,
-            settings in ``controller``), ``shuffle`` (the controller's table with each layer's windows permuted among
-            its heads, re-permuted at every decision and, if ``redraw_interval`` > 0, every that many steps; a
+        policy: a registered policy: ``full`` (every head W = T), ``fixed`` (every head one window, settings in
+            ``fixed``), ``static`` (an explicit table, in ``static``), ``random`` (a seeded draw from ``candidates``,
+            or a table's windows placed at random over all heads; in ``random``), ``adaptive`` (the AAH controller,
+            settings in ``controller``), ``shuffle`` (the controller's table with each layer's windows permuted
+            among its heads at every decision and, with ``shuffle.redraw_interval`` > 0, every that many steps; a
             control), or ``module:name`` of a policy registered in an importable module (docs/architecture.md,
-            "Adding a window policy").
+            "Adding a window policy"; its settings in ``plugin``).
         candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
-        window: the window of the ``fixed`` policy.
-        table: the ``static`` policy's windows, one list of ``n_head`` ints per layer (``random``: the windows
-            each draw places at random).
         seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
             ``paper`` allocator networks, and of the ``shuffle`` permutations).
-        redraw_interval: ``random`` redraws every this many steps (0 = draw once at the start); ``shuffle``
-            re-permutes every this many steps as well as at each decision (0 = at decisions only).
-        long_layer: ``random`` with a ``table``: the table's widest window goes to a random head of this layer and
-            the other windows at random over the remaining heads (a placement stratified by layer); None = anywhere.
-        warmup_steps: ``fixed``: every head sees the whole context for this many steps first, then ``window`` (the
-            control that gives one window for all the controller's full-context warmup).
-        controller: settings of the ``adaptive`` policy (``ControllerConfig``).
+        fixed: settings of the ``fixed`` policy (``FixedConfig``).
+        static: settings of the ``static`` policy (``StaticConfig``).
+        random: settings of the ``random`` policy (``RandomConfig``).
+        shuffle: settings of the ``shuffle`` policy (``ShuffleConfig``).
+        controller: settings of the ``adaptive`` policy, and of the controller ``shuffle`` wraps (``ControllerConfig``).
+        plugin: settings of a policy registered outside the package, a mapping that policy reads and checks itself
+            (``model.aah.plugin.window: 8``).
+        window: deprecated, now ``fixed.window``.
+        table: deprecated, now ``static.table`` (and ``random.table``).
+        redraw_interval: deprecated, now ``random.redraw_interval`` (and ``shuffle.redraw_interval``).
+        long_layer: deprecated, now ``random.long_layer``.
+        warmup_steps: deprecated, now ``fixed.warmup_steps``.
     """
 
     policy: str = "full"
     candidates: Optional[list[int]] = None
+    seed: int = 0
+    fixed: FixedConfig = field(default_factory=FixedConfig)
+    static: StaticConfig = field(default_factory=StaticConfig)
+    random: RandomConfig = field(default_factory=RandomConfig)
+    shuffle: ShuffleConfig = field(default_factory=ShuffleConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    plugin: dict[str, Any] = field(default_factory=dict)
     window: Optional[int] = None
     table: Optional[list[list[int]]] = None
-    seed: int = 0
-    redraw_interval: int = 0
+    redraw_interval: Optional[int] = None
     long_layer: Optional[int] = None
-    warmup_steps: int = 0
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    warmup_steps: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.controller, dict):  # from checkpoint hyper-parameters or a plain dict
             self.controller = ControllerConfig(**self.controller)
+        for name, cls in _BLOCKS.items():
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+        for key, blocks in FLAT_POLICY_SETTINGS.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            warnings.warn(
+                f"model.aah.{key} is deprecated: write model.aah.{blocks[0]}.{key}", FutureWarning, stacklevel=3
+            )
+            for block in blocks:
+                settings = getattr(self, block)
+                default = getattr(_BLOCKS[block](), key)
+                nested = getattr(settings, key)
+                if nested != default and nested != value:
+                    raise ConfigError(
+                        f"model.aah.{key}={value!r} and model.aah.{block}.{key}={nested!r} are both set: give only "
+                        f"model.aah.{block}.{key}"
+                    )
+                setattr(settings, key, value)
+            setattr(self, key, None)
+
+    def settings(self) -> dict:
+        """The settings as plain dicts, without the deprecated flat keys (what a checkpoint saves)."""
+        return {k: v for k, v in asdict(self).items() if k not in FLAT_POLICY_SETTINGS}
 
     def resolved_candidates(self, seq_len: int) -> list[int]:
         if self.candidates is None:
@@ -314,5 +405,4 @@ class AAHConfig:
                 f"every window an integer in [1, seq_len={seq_len}] (bad entry {c!r})",
             )
         require(cands == sorted(set(cands)), "model.aah.candidates", self.candidates, "ascending, without repeats")
-        require(self.redraw_interval >= 0, "model.aah.redraw_interval", self.redraw_interval, "0 (draw once) or more")
         policy.validate(self, seq_len, n_layer, n_head)

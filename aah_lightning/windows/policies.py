@@ -14,7 +14,7 @@ from aah_lightning.windows.policy_base import WindowPolicy, register
 
 
 def check_table(table, policy: str, seq_len: int, n_layer: int, n_head: int) -> None:
-    """``model.aah.table``: n_layer rows of n_head windows, each in [1, T]."""
+    """``model.aah.<policy>.table``: n_layer rows of n_head windows, each in [1, T]."""
     shape_ok = (
         isinstance(table, list)
         and len(table) == n_layer
@@ -23,14 +23,14 @@ def check_table(table, policy: str, seq_len: int, n_layer: int, n_head: int) -> 
     if not shape_ok:
         got = None if table is None else [len(r) if isinstance(r, list) else r for r in table]
         raise ConfigError(
-            f"model.aah.table has row lengths {got}: the {policy} policy needs n_layer={n_layer} rows of "
+            f"model.aah.{policy}.table has row lengths {got}: the {policy} policy needs n_layer={n_layer} rows of "
             f"n_head={n_head} windows each"
         )
     for row in table:
         for w in row:
             require(
                 isinstance(w, int) and 0 < w <= seq_len,
-                "model.aah.table",
+                f"model.aah.{policy}.table",
                 w,
                 f"every window an integer in [1, seq_len={seq_len}]",
             )
@@ -43,32 +43,32 @@ class FullPolicy(WindowPolicy):
 
 @register("fixed")
 class FixedPolicy(WindowPolicy):
-    """Every head of every layer uses ``window``."""
+    """Every head of every layer uses ``fixed.window`` (after ``fixed.warmup_steps`` at full context)."""
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         require(
-            isinstance(cfg.window, int) and 0 < cfg.window <= seq_len,
-            "model.aah.window",
-            cfg.window,
+            isinstance(cfg.fixed.window, int) and 0 < cfg.fixed.window <= seq_len,
+            "model.aah.fixed.window",
+            cfg.fixed.window,
             f"an integer in [1, seq_len={seq_len}] (the fixed policy's window)",
         )
         require(
-            isinstance(cfg.warmup_steps, int) and cfg.warmup_steps >= 0,
-            "model.aah.warmup_steps",
-            cfg.warmup_steps,
+            isinstance(cfg.fixed.warmup_steps, int) and cfg.fixed.warmup_steps >= 0,
+            "model.aah.fixed.warmup_steps",
+            cfg.fixed.warmup_steps,
             "an integer >= 0 (steps at full context before the fixed window)",
         )
 
     def initial_table(self) -> Tensor:
-        if self.cfg.warmup_steps > 0:
+        if self.cfg.fixed.warmup_steps > 0:
             return super().initial_table()
-        return torch.full((self.n_layer, self.n_head), self.cfg.window, dtype=torch.int32)
+        return torch.full((self.n_layer, self.n_head), self.cfg.fixed.window, dtype=torch.int32)
 
     def on_train_step(self, step, model, batch):
         # Once, when the warmup ends (a run resumed later has the fixed table in its checkpoint's window buffer).
-        if self.cfg.warmup_steps > 0 and step == self.cfg.warmup_steps:
-            return torch.full((self.n_layer, self.n_head), self.cfg.window, dtype=torch.int32)
+        if self.cfg.fixed.warmup_steps > 0 and step == self.cfg.fixed.warmup_steps:
+            return torch.full((self.n_layer, self.n_head), self.cfg.fixed.window, dtype=torch.int32)
         return None
 
 
@@ -78,27 +78,34 @@ class StaticPolicy(WindowPolicy):
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
-        check_table(cfg.table, "static", seq_len, n_layer, n_head)
+        check_table(cfg.static.table, "static", seq_len, n_layer, n_head)
 
     def initial_table(self) -> Tensor:
-        return torch.tensor(self.cfg.table, dtype=torch.int32)
+        return torch.tensor(self.cfg.static.table, dtype=torch.int32)
 
 
 @register("random")
 class RandomPolicy(WindowPolicy):
-    """Each head draws uniformly from the candidates with a seeded generator, once or every ``redraw_interval``.
-    With a ``table``, every draw places exactly the table's windows at random over all heads instead (a fixed window
+    """Each head draws uniformly from the candidates with a seeded generator, once or every
+    ``random.redraw_interval``. With a ``random.table``, every draw places exactly the table's windows at random over all heads instead (a fixed window
     histogram, so every draw costs the same compute)."""
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
-        if cfg.table is not None:
-            check_table(cfg.table, "random", seq_len, n_layer, n_head)
-        if cfg.long_layer is not None:
+        r = cfg.random
+        require(
+            isinstance(r.redraw_interval, int) and r.redraw_interval >= 0,
+            "model.aah.random.redraw_interval",
+            r.redraw_interval,
+            "0 (draw once) or more",
+        )
+        if r.table is not None:
+            check_table(r.table, "random", seq_len, n_layer, n_head)
+        if r.long_layer is not None:
             require(
-                cfg.table is not None and isinstance(cfg.long_layer, int) and 0 <= cfg.long_layer < n_layer,
-                "model.aah.long_layer",
-                cfg.long_layer,
+                r.table is not None and isinstance(r.long_layer, int) and 0 <= r.long_layer < n_layer,
+                "model.aah.random.long_layer",
+                r.long_layer,
                 f"None or a layer index in [0, n_layer={n_layer}) with a table (whose widest window it places)",
             )
 
@@ -107,16 +114,17 @@ class RandomPolicy(WindowPolicy):
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
     def _draw(self) -> Tensor:
-        if self.cfg.table is not None:
-            windows = torch.tensor(self.cfg.table, dtype=torch.int32).flatten()
+        r = self.cfg.random
+        if r.table is not None:
+            windows = torch.tensor(r.table, dtype=torch.int32).flatten()
             order = torch.randperm(windows.numel(), generator=self.generator)
             table = windows[order].view(self.n_layer, self.n_head)
-            if self.cfg.long_layer is not None:  # the widest window to a random head of long_layer, by a swap
+            if r.long_layer is not None:  # the widest window to a random head of long_layer, by a swap
                 head = int(torch.randint(self.n_head, (1,), generator=self.generator))
                 at = int(torch.argmax(table.flatten()))
                 flat = table.flatten()
-                flat[at], flat[self.cfg.long_layer * self.n_head + head] = (
-                    flat[self.cfg.long_layer * self.n_head + head].clone(),
+                flat[at], flat[r.long_layer * self.n_head + head] = (
+                    flat[r.long_layer * self.n_head + head].clone(),
                     flat[at].clone(),
                 )
                 table = flat.view(self.n_layer, self.n_head)
@@ -128,7 +136,7 @@ class RandomPolicy(WindowPolicy):
         return self._draw()
 
     def on_train_step(self, step, model, batch):
-        k = self.cfg.redraw_interval
+        k = self.cfg.random.redraw_interval
         if k > 0 and step > 0 and step % k == 0:
             return self._draw()
         return None

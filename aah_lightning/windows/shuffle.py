@@ -7,7 +7,7 @@ then permuted within every layer by a seeded random permutation. Each layer keep
 whether AAH's gain comes from *which* head gets which window or only from how many short windows a layer has.
 
 When: a new permutation at every decision of the controller (even one that leaves its table unchanged), and, when
-``model.aah.redraw_interval`` is k > 0, also every k steps after the first decision. The authors' lab re-permuted at
+``model.aah.shuffle.redraw_interval`` is k > 0, also every k steps after the first decision. The authors' lab re-permuted at
 every step (k = 1); the rows here re-permute at decisions only, so a head keeps its shuffled window for a control
 interval (and the attention masks are rebuilt only then).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from aah_lightning.errors import require
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller.adaptive import AdaptivePolicy
 from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
@@ -34,6 +35,8 @@ class ShufflePolicy(WindowPolicy):
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         AdaptivePolicy.validate(cfg, seq_len, n_layer, n_head)  # the wrapped controller's settings
+        k = cfg.shuffle.redraw_interval
+        require(isinstance(k, int) and k >= 0, "model.aah.shuffle.redraw_interval", k, "0 (at decisions only) or more")
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -53,7 +56,7 @@ class ShufflePolicy(WindowPolicy):
         self.inner.on_train_step(step, model, batch)
         if self.inner.table is None:  # warmup: full windows, nothing to permute
             return None
-        k = self.cfg.redraw_interval
+        k = self.cfg.shuffle.redraw_interval
         decided = self.inner.last_step == step
         if not decided and not (k > 0 and step % k == 0):
             return None

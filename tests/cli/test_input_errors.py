@@ -114,8 +114,10 @@ def test_candidate_window_longer_than_seq_len(tmp_path, capsys):
 
 
 def test_static_table_wrong_shape(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--model.aah.policy", "static", "--model.aah.table", "[[8, 16], [8, 16], [8, 16]]")
-    assert "model.aah.table" in line and "n_layer=2" in line and "n_head=2" in line
+    line = refuse(
+        tmp_path, capsys, "--model.aah.policy", "static", "--model.aah.static.table", "[[8, 16], [8, 16], [8, 16]]"
+    )
+    assert "model.aah.static.table" in line and "n_layer=2" in line and "n_head=2" in line
 
 
 def test_n_embd_not_divisible_by_n_head(tmp_path, capsys):

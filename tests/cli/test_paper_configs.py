@@ -133,12 +133,12 @@ def test_every_row_builds_and_its_policy_makes_the_table_it_describes(folder, tm
             assert aah.policy == "fixed" and (table == seq_len // 4).all()
         elif row == "static":
             with open(f"{folder}/static.yaml") as f:
-                assert table.tolist() == yaml.safe_load(f)["model"]["aah"]["table"]
+                assert table.tolist() == yaml.safe_load(f)["model"]["aah"]["static"]["table"]
             assert set(table.flatten().tolist()) <= set(cands) and len(set(table.flatten().tolist())) == len(cands)
         elif row == "random_windows":
             assert aah.policy == "random" and set(table.flatten().tolist()) <= set(cands)
-            assert aah.redraw_interval == full["control_interval"]
-            redrawn = policy.on_train_step(aah.redraw_interval, None, None)
+            assert aah.random.redraw_interval == full["control_interval"]
+            redrawn = policy.on_train_step(aah.random.redraw_interval, None, None)
             assert redrawn is not None and set(redrawn.flatten().tolist()) <= set(cands)
         else:
             ctl = asdict(aah.controller)

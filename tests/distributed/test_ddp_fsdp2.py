@@ -129,7 +129,7 @@ def test_compiled_checkpointed_blocks_train_like_eager_and_window_changes_do_not
     policy = [
         "--model.aah.policy=random",
         "--model.aah.candidates=[8,16]",
-        "--model.aah.redraw_interval=2",
+        "--model.aah.random.redraw_interval=2",
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
     ]

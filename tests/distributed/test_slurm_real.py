@@ -128,7 +128,7 @@ def _cpu_config(folder) -> str:
                 "compile_blocks": False,
                 "activation_checkpointing": False,
             },
-            "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
+            "aah": {"policy": "random", "candidates": [8, 16, 32], "random": {"redraw_interval": 2}},
         },
         "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 64},
     }

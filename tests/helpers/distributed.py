@@ -34,7 +34,7 @@ def cpu_config(folder) -> str:
         "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
         "model": {
             "gpt": {"n_layer": 2, "n_head": 4, "n_embd": 32, "backend": "auto", "compile_blocks": False},
-            "aah": {"policy": "random", "candidates": [8, 16, 32], "redraw_interval": 2},
+            "aah": {"policy": "random", "candidates": [8, 16, 32], "random": {"redraw_interval": 2}},
         },
         # No test split. 3 validation blocks (of 64) on 1 or 2 processes alike (held out: at least one per process),
         # so the 61 training blocks, and their global order, are the same on either. The epoch boundary inside step 3

@@ -74,7 +74,7 @@ def read_run(folder: str, rank: int = 0) -> list[dict]:
 
 # -- one process: a run interrupted at step INTERRUPT_AT and resumed, next to one never interrupted -----
 STEPS, INTERRUPT_AT = 8, 4
-POLICY = ["--model.aah.policy=random", "--model.aah.candidates=[8,16,32]", "--model.aah.redraw_interval=3"]
+POLICY = ["--model.aah.policy=random", "--model.aah.candidates=[8,16,32]", "--model.aah.random.redraw_interval=3"]
 
 
 def run_args(tiny_args, folder, *extra):

@@ -221,7 +221,14 @@ def test_resumes_keep_one_last_checkpoint_of_the_right_step(tmp_path):
 
 @pytest.mark.parametrize("policy", sorted(available_policies()))
 def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
-    aah = AAHConfig(policy=policy, candidates=[8, 16, 32], window=16, table=[[8, 32], [16, 8]], redraw_interval=1)
+    aah = AAHConfig(
+        policy=policy,
+        candidates=[8, 16, 32],
+        fixed={"window": 16},
+        static={"table": [[8, 32], [16, 8]]},
+        random={"table": [[8, 32], [16, 8]], "redraw_interval": 1},
+        shuffle={"redraw_interval": 1},
+    )
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
         aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65), aah=aah)

@@ -48,7 +48,7 @@ def test_fit_logs_every_diagnostic_tag(tmp_path, tiny_args):
         tiny_args(
             "--model.aah.policy=random",
             "--model.aah.candidates=[4,8,16,32]",
-            "--model.aah.redraw_interval=3",
+            "--model.aah.random.redraw_interval=3",
             "--diagnostics.amc_every_n_steps=2",
             "--diagnostics.visuals_min_interval=1",
             "--throughput.peak_flops=1e12",
@@ -98,7 +98,7 @@ def test_static_table_scalars_equal_hand_counts(tmp_path, tiny_args):
     main(
         tiny_args(
             "--model.aah.policy=static",
-            f"--model.aah.table={STATIC}",
+            f"--model.aah.static.table={STATIC}",
             f"--model.gpt.block_size={TILE}",
             "--diagnostics.amc_every_n_steps=0",
             "--trainer.val_check_interval=4",
@@ -137,7 +137,7 @@ def test_block_density_counts_the_blockmask_of_flex_plans():
 def test_reading_the_plans_in_use_builds_nothing():
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, block_size=TILE, backend="sdpa"),
-        aah=AAHConfig("static", table=STATIC),
+        aah=AAHConfig("static", static={"table": STATIC}),
     )
     module.model(torch.randint(0, 257, (2, T)))  # the training forward builds the plans
     builds = module.model.planner.builds
@@ -246,7 +246,7 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
-        aah=AAHConfig("static", table=GROUPED_TABLE),
+        aah=AAHConfig("static", static={"table": GROUPED_TABLE}),
     )
     decided = {"step": 0}
     module.policy.report = lambda: PolicyReport([4, 8, 16, 32], decided["step"], TREES)
@@ -289,7 +289,7 @@ def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
-        aah=AAHConfig("random", candidates=[4, 8, 16, 32], redraw_interval=1),
+        aah=AAHConfig("random", candidates=[4, 8, 16, 32], random={"redraw_interval": 1}),
     )
     trainer = L.Trainer(
         max_steps=7,

@@ -42,7 +42,7 @@ def test_validation_logs_position_losses_of_a_manual_pass(tmp_path):
     torch.manual_seed(0)
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=128, vocab_size=65, backend="sdpa"),
-        aah=AAHConfig(policy="fixed", window=16),
+        aah=AAHConfig(policy="fixed", fixed={"window": 16}),
     )
     data = TextDataModule(source="synthetic", seq_len=128, batch_size=4, synthetic_documents=64)
     trainer = L.Trainer(
@@ -81,7 +81,7 @@ def test_full_heads_stay_full_at_a_longer_length():
 def static_module(seq_len: int, **settings) -> AAHModule:
     return AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=seq_len, vocab_size=65, **settings),
-        aah=AAHConfig(policy="static", table=[[64, 8], [16, 64]]),
+        aah=AAHConfig(policy="static", static={"table": [[64, 8], [16, 64]]}),
     )
 
 
@@ -155,9 +155,9 @@ def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_ar
             "--model.aah.controller.control_interval=1",
             "--model.aah.controller.target_acr=0.5",
         ],
-        "fixed": ["--model.aah.window=16"],
-        "static": ["--model.aah.table=[[8,64,16,32],[64,8,8,16]]"],
-        "random": ["--model.aah.redraw_interval=1"],
+        "fixed": ["--model.aah.fixed.window=16"],
+        "static": ["--model.aah.static.table=[[8,64,16,32],[64,8,8,16]]"],
+        "random": ["--model.aah.random.redraw_interval=1"],
         "shuffle": ["--model.aah.controller.warmup_steps=1", "--model.aah.controller.control_interval=1"],
     }[policy]
     args = [

@@ -50,7 +50,7 @@ def test_matmul_flops_match_torch_flop_counter_and_pairs_match_the_mask():
 def test_throughput_counts_the_current_table_and_recounts_when_it_changes():
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=2, n_embd=8, seq_len=16, vocab_size=11),
-        aah=AAHConfig("static", table=[[4, 16], [2, 9]]),
+        aah=AAHConfig("static", static={"table": [[4, 16], [2, 9]]}),
     )
     cb = Throughput()
     cfg = module.model.cfg

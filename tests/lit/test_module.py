@@ -18,13 +18,15 @@ from aah_lightning.model.config import GPTConfig
 
 
 def test_checkpoints_rebuild_the_model_from_its_settings(tmp_path, tiny_args):
-    main(tiny_args("--model.gpt.rope_base=500.0", "--model.aah.policy=fixed", "--model.aah.window=8", steps=3))
+    main(tiny_args("--model.gpt.rope_base=500.0", "--model.aah.policy=fixed", "--model.aah.fixed.window=8", steps=3))
     path = tmp_path / "ckpt" / "last.ckpt"
     ckpt = torch.load(path, weights_only=True)
     hp = ckpt["hyper_parameters"]
     assert set(hp) == {"gpt", "aah", "optim", HPARAMS_FORMAT_ENTRY} and hp[HPARAMS_FORMAT_ENTRY] == HPARAMS_FORMAT
     gpt = hp["gpt"]
-    assert gpt["n_layer"] == 2 and gpt["n_head"] == 4 and gpt["rope_base"] == 500.0 and hp["aah"]["window"] == 8
+    assert (
+        gpt["n_layer"] == 2 and gpt["n_head"] == 4 and gpt["rope_base"] == 500.0 and hp["aah"]["fixed"]["window"] == 8
+    )
     assert gpt["seq_len"] == 32 and gpt["vocab_size"] == 65  # linked: data.seq_len, the synthetic task's vocabulary
     expected = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=4, n_embd=32, rope_base=500.0)
     # as the CLI writes it, and as checkpoints of earlier versions hold it: the GPT's settings flat

@@ -29,7 +29,11 @@ def test_head_acr_is_the_step_weighted_mean_and_nonuniform_steps_are_counted():
 
 def test_the_last_checkpoint_tells_the_final_table_and_what_each_head_paid(tmp_path, tiny_args):
     # Random windows redrawn every 2 steps over 6 steps: the checkpoint's per-head ACR is the mean of three draws.
-    main(tiny_args("--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]", "--model.aah.redraw_interval=2"))
+    main(
+        tiny_args(
+            "--model.aah.policy=random", "--model.aah.candidates=[4,8,16,32]", "--model.aah.random.redraw_interval=2"
+        )
+    )
     fields, tables = window_summary(str(tmp_path / "ckpt" / "last.ckpt"))
     head_acr = torch.tensor(tables["head_acr"])
     assert head_acr.shape == (2, 4) and ((head_acr > 0) & (head_acr <= 1)).all()

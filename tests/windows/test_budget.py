@@ -308,13 +308,13 @@ def test_random_windows_with_a_table_draw_its_exact_histogram():
     from aah_lightning.windows.policy_base import make_policy
 
     table = [[8, 8, 16, 32], [4, 4, 8, 16]]
-    policy = make_policy(AAHConfig(policy="random", table=table, redraw_interval=1, seed=3), 2, 4, 32)
+    policy = make_policy(AAHConfig(policy="random", random={"table": table, "redraw_interval": 1}, seed=3), 2, 4, 32)
     draws = [policy.initial_table()] + [policy.on_train_step(s, None, None) for s in range(1, 6)]
     for draw in draws:
         assert sorted(draw.flatten().tolist()) == sorted(w for row in table for w in row)  # the same ACR
     assert len({tuple(d.flatten().tolist()) for d in draws}) > 1  # placed differently
     with pytest.raises(ConfigError, match="the random policy needs n_layer=2 rows"):
-        make_policy(AAHConfig(policy="random", table=[[8, 8]]), 2, 4, 32)
+        make_policy(AAHConfig(policy="random", random={"table": [[8, 8]]}), 2, 4, 32)
 
 
 def test_a_real_run_pays_its_target_on_average(tmp_path, tiny_args):

@@ -11,7 +11,7 @@ from aah_lightning.windows.policy_base import POLICIES
 from helpers.cli import cli_error
 
 PLUGIN = '''
-"""Even layers see the whole context; odd layers the ``window`` setting, halved at every redraw_interval."""
+"""Even layers see the whole context; odd layers the plugin setting ``window``, halved at step ``halve_at``."""
 
 import torch
 
@@ -23,19 +23,19 @@ from aah_lightning.errors import require
 class AlternatingPolicy(WindowPolicy):
     @classmethod
     def validate(cls, cfg, seq_len, n_layer, n_head):
-        require(isinstance(cfg.window, int) and 2 <= cfg.window <= seq_len, "model.aah.window", cfg.window,
+        window = cfg.plugin.get("window")
+        require(isinstance(window, int) and 2 <= window <= seq_len, "model.aah.plugin.window", window,
                 f"an integer in [2, seq_len={seq_len}] (the alternating policy's odd layers)")
 
     def initial_table(self):
         table = torch.full((self.n_layer, self.n_head), self.seq_len, dtype=torch.int32)
-        table[1::2] = self.cfg.window
+        table[1::2] = self.cfg.plugin["window"]
         return table
 
     def on_train_step(self, step, model, batch):
-        k = self.cfg.redraw_interval
-        if k and step == k:
+        if step == self.cfg.plugin.get("halve_at"):
             table = self.initial_table()
-            table[1::2] = self.cfg.window // 2
+            table[1::2] = self.cfg.plugin["window"] // 2
             return table
         return None
 '''
@@ -51,7 +51,11 @@ def plugin(tmp_path, monkeypatch):
 
 
 def test_a_policy_in_its_own_module_trains_through_the_cli(plugin, tiny_args):
-    main(tiny_args(f"--model.aah.policy={plugin}", "--model.aah.window=8", "--model.aah.redraw_interval=2", steps=3))
+    main(
+        tiny_args(
+            f"--model.aah.policy={plugin}", "--model.aah.plugin.window=8", "--model.aah.plugin.halve_at=2", steps=3
+        )
+    )
     ckpt = torch.load(_ckpt(tiny_args), weights_only=True)
     table = ckpt["state_dict"]["model.windows"]
     assert table.tolist() == [[32] * 4, [4] * 4]  # layer 1 halved at step 2
@@ -59,8 +63,8 @@ def test_a_policy_in_its_own_module_trains_through_the_cli(plugin, tiny_args):
 
 
 def test_the_plugin_checks_its_own_settings(plugin, capsys, tiny_args):
-    code, line = cli_error(tiny_args(f"--model.aah.policy={plugin}", "--model.aah.window=1"), capsys)
-    assert code == 2 and "model.aah.window=1" in line and "alternating policy" in line
+    code, line = cli_error(tiny_args(f"--model.aah.policy={plugin}", "--model.aah.plugin.window=1"), capsys)
+    assert code == 2 and "model.aah.plugin.window=1" in line and "alternating policy" in line
 
 
 def test_a_module_without_the_policy_is_one_line(plugin, capsys, tiny_args):
