@@ -8,8 +8,7 @@ from typing import Any, Literal, Optional
 
 from aah_lightning.checkpoint import FLAT_POLICY_SETTINGS
 from aah_lightning.errors import ConfigError, require
-from aah_lightning.windows.controller.allocators import window_costs
-from aah_lightning.windows.controller.registry import ALLOCATORS
+from aah_lightning.windows.metrics import window_costs
 from aah_lightning.windows.policy_base import policy_class
 
 
@@ -100,7 +99,7 @@ class ControllerConfig:
     hysteresis: float = 0.05
     random_groups: int = 2
     depth: int = 2
-    allocator: Literal[tuple(ALLOCATORS)] = "reach"
+    allocator: str = "reach"
     paper_joint_scorer: bool = True
     coverage_target: float = 0.9
     target_acr: Optional[float] = None
@@ -133,9 +132,6 @@ class ControllerConfig:
             "cluster, none or fixed_random",
         )
         require(self.metric in ("euclidean", "cosine"), key + "metric", self.metric, "euclidean or cosine")
-        require(
-            self.allocator in ALLOCATORS, key + "allocator", self.allocator, f"one of {', '.join(sorted(ALLOCATORS))}"
-        )
         require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
         require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
         require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")

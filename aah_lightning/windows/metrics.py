@@ -135,3 +135,13 @@ def _tree_lines(tree: GroupTree, row: list[int], level: int, group: int, depth: 
     for child, child_heads in enumerate(tree.levels[level - 1]):
         if child_heads and child_heads[0] in heads:
             _tree_lines(tree, row, level - 1, child, depth + 1, lines)
+
+
+def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
+    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``)."""
+    w = torch.tensor(candidates, dtype=torch.float64)
+    if measure == "acr":
+        return torch.clamp(w, max=seq_len) / seq_len
+    if measure == "causal_coverage":
+        return causal_pairs(w, seq_len) / (seq_len * (seq_len + 1) / 2)
+    raise ValueError(f"unknown budget measure {measure!r}")

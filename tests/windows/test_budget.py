@@ -10,12 +10,9 @@ from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics
 from aah_lightning.windows.config import ControllerConfig
 from aah_lightning.windows.controller import budget
-from aah_lightning.windows.controller.allocators import (
-    LayerInputs,
-    needed_index,
-    window_costs,
-)
+from aah_lightning.windows.controller.allocators import LayerInputs, needed_index
 from aah_lightning.windows.groups import Hierarchy
+from aah_lightning.windows.metrics import window_costs
 from helpers.controller_inputs import adaptive, random_profiles, synthetic_features
 
 

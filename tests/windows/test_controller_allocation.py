@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from aah_lightning.windows import metrics
-from aah_lightning.windows.controller.allocators import LayerInputs, reach_allocator, settled_need, window_costs
+from aah_lightning.windows.controller.allocators import LayerInputs, reach_allocator, settled_need
 from aah_lightning.windows.controller.budget import allocate_within_budget
 from aah_lightning.windows.controller.features import FeatureLayout, probe_features
 from aah_lightning.windows.groups import Hierarchy
+from aah_lightning.windows.metrics import window_costs
 from aah_lightning.windows.probe import mass_within
 from helpers.controller_inputs import (
     adaptive,

@@ -159,3 +159,15 @@ def test_checkpoints_of_the_flat_layout_are_read_nested():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an old checkpoint loads without a deprecation line
         assert AAHConfig(**hp["aah"]).random.redraw_interval == 2
+
+
+def test_an_unknown_allocator_is_refused_by_the_controller(tiny_args, capsys):
+    """The settings dataclass no longer knows the allocator registry: the controller's validate checks the name."""
+    from helpers.cli import cli_error
+
+    with pytest.raises(
+        ConfigError, match=r"model\.aah\.controller\.allocator='greedy' is not allowed: one of paper, reach"
+    ):
+        make_policy(AAHConfig("adaptive", controller={"allocator": "greedy"}), 2, 3, 64)
+    code, line = cli_error(tiny_args("--model.aah.policy=adaptive", "--model.aah.controller.allocator=greedy"), capsys)
+    assert code == 2 and "model.aah.controller.allocator='greedy'" in line, line

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from aah_lightning.data.batch import split_batch
-from aah_lightning.errors import ConfigError
+from aah_lightning.errors import ConfigError, require
 from aah_lightning.windows import metrics
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller import features
-from aah_lightning.windows.controller.allocators import LayerInputs, window_costs
+from aah_lightning.windows.controller.allocators import LayerInputs
 from aah_lightning.windows.controller.budget import RunSpend, allocate_within_budget
 from aah_lightning.windows.controller.gain import run_gain_probe
 from aah_lightning.windows.controller.grouping import (
@@ -36,7 +36,7 @@ from aah_lightning.windows.controller.grouping import (
     singletons,
 )
 from aah_lightning.windows.controller.hierarchy import build_hierarchy
-from aah_lightning.windows.controller.registry import make_allocator
+from aah_lightning.windows.controller.registry import ALLOCATORS, make_allocator
 from aah_lightning.windows.groups import GroupTree, Hierarchy
 from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.windows.probe import run_probe
@@ -55,7 +55,7 @@ class AdaptivePolicy(WindowPolicy):
         self.layout = features.FeatureLayout(len(self.candidates))
         self.allocator = make_allocator(self.settings, n_layer, self.candidates, cfg.seed)
         self.budget = self.settings.budget()  # (measure, per-head target) or None
-        self.costs = None if self.budget is None else window_costs(self.candidates, seq_len, self.budget[0])
+        self.costs = None if self.budget is None else metrics.window_costs(self.candidates, seq_len, self.budget[0])
         self.run_steps: int | None = None  # the run's length, for budget_over_run (set_run_length)
         # Level l of the hierarchy is cut at threshold * growth**l.
         self.thresholds = [
@@ -83,10 +83,16 @@ class AdaptivePolicy(WindowPolicy):
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         c, candidates = cfg.controller, cfg.resolved_candidates(seq_len)
+        require(  # the registry is the controller's own: the settings' dataclass does not know it
+            c.allocator in ALLOCATORS,
+            "model.aah.controller.allocator",
+            c.allocator,
+            f"one of {', '.join(sorted(ALLOCATORS))}",
+        )
         c.validate(candidates, seq_len, n_head)
         if c.reach_heads and c.budget() is not None:  # the kept reach must fit the target beside the narrowest rest
             n = n_head * (n_layer if c.budget_scope == "model" else 1)
-            costs = window_costs(candidates, seq_len, c.budget()[0])
+            costs = metrics.window_costs(candidates, seq_len, c.budget()[0])
             fits = _reach_index(costs, c.budget()[1], n, c.reach_heads)
             key = "model.aah.controller."
             if c.reach_window is not None and candidates.index(c.reach_window) > fits:

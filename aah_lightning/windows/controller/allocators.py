@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aah_lightning.windows import metrics
 from aah_lightning.windows.groups import Hierarchy
 
 # Float slack for comparing masses and costs that were computed in different orders.
@@ -57,16 +56,6 @@ class LayerInputs:
     settle_margin: float | Tensor = 0.0
     floors: list[int] | None = None
     capped: bool = True
-
-
-def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
-    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``)."""
-    w = torch.tensor(candidates, dtype=torch.float64)
-    if measure == "acr":
-        return torch.clamp(w, max=seq_len) / seq_len
-    if measure == "causal_coverage":
-        return metrics.causal_pairs(w, seq_len) / (seq_len * (seq_len + 1) / 2)
-    raise ValueError(f"unknown budget measure {measure!r}")
 
 
 def needed_index(profile: Tensor, target: float) -> int:
