@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from aah_lightning.data.packing import TokenBlocks
 from aah_lightning.errors import ConfigError
 from aah_lightning.plugins import find_plugin
 
@@ -97,8 +98,6 @@ def is_text(name: str) -> bool:
 def split_stream(stream, seq_len: int, val_fraction: float, test_fraction: float, world: int, what: str) -> Splits:
     """A token stream cut into ``[ train | test | validation ]`` blocks: validation is the tail of the seeded stream
     and every rank validates (and tests) on at least one block of its own."""
-    from aah_lightning.data.packing import TokenBlocks
-
     block = seq_len + 1
     n_blocks = len(stream) // block
     if len(stream) == 0:
