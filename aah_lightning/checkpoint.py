@@ -17,7 +17,7 @@ this table in code, ``keys_table()`` prints it; docs/architecture.md, "Checkpoin
 | `hparams_name` | `HPARAMS_NAME_KEY` | Lightning | how the hyperparameters were saved (`null`: as one dict; `kwargs` in the earlier flat layout) |
 | `hyper_parameters` | `HYPER_PARAMETERS_KEY` | Lightning: `AAHModule.save_hyperparameters` | the `model.*` settings as plain dicts `gpt`, `aah`, `optim` and their layout's version `_format` (`HPARAMS_FORMAT_ENTRY`; `upgrade_hyperparameters` reads earlier layouts): the GPT `load_model` rebuilds |
 | `datamodule_hparams_name` | `DATAMODULE_HPARAMS_NAME_KEY` | Lightning | as `hparams_name`, for the data module |
-| `datamodule_hyper_parameters` | `DATAMODULE_HYPER_PARAMETERS_KEY` | Lightning: `TextDataModule.save_hyperparameters` | the `data.*` settings (`source`, `tokenizer`, ...): the tokenizer of `load_model` and of the export |
+| `datamodule_hyper_parameters` | `DATAMODULE_HYPER_PARAMETERS_KEY` | Lightning: `TextDataModule.save_hyperparameters` | the `data.*` settings (`source`, `tokenizer`, ..., each source's block; `data_settings` nests the flat layout of earlier versions): the tokenizer of `load_model` and of the export |
 | `TextDataModule` | `DATAMODULE_STATE_KEY` | Lightning: `TextDataModule.state_dict()`, under the class's name | the data position (`layout`; streamed data: every rank's position) |
 | `aah_log_folder` | `LOG_FOLDER_KEY` | aah: `LastCheckpoint.on_save_checkpoint` (lit/checkpointing.py) | `{save_dir, name, version}` of the run's logger: a resumed run logs on there |
 | `aah_policy` | `POLICY_KEY` | aah: `AAHModule.on_save_checkpoint` | the window policy's `state_dict()` (plain tensors, lists, ints): a resumed run decides as the uninterrupted one would; inspect rebuilds the head groups from it |
@@ -51,6 +51,7 @@ from typing import Any, Optional
 
 import torch
 
+from aah_lightning.data.config import nest_data_settings
 from aah_lightning.data.sources import is_text
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
@@ -113,7 +114,8 @@ KEYS: dict[str, tuple[str, str]] = {
     DATAMODULE_HPARAMS_NAME_KEY: ("Lightning", "as `hparams_name`, for the data module"),
     DATAMODULE_HYPER_PARAMETERS_KEY: (
         "Lightning: `TextDataModule.save_hyperparameters`",
-        "the `data.*` settings (`source`, `tokenizer`, ...): the tokenizer of `load_model` and of the export",
+        "the `data.*` settings (`source`, `tokenizer`, ..., each source's block; `data_settings` nests the flat "
+        "layout of earlier versions): the tokenizer of `load_model` and of the export",
     ),
     DATAMODULE_STATE_KEY: (
         "Lightning: `TextDataModule.state_dict()`, under the class's name",
@@ -371,8 +373,11 @@ def gpt_settings(checkpoint: Mapping) -> dict:
 
 
 def data_settings(checkpoint: Mapping) -> dict:
-    """The data module's hyperparameters (the ``data.*`` settings); empty when the checkpoint has none."""
-    return dict(checkpoint.get(DATAMODULE_HYPER_PARAMETERS_KEY) or {})
+    """The data module's hyperparameters (the ``data.*`` settings) in today's layout, each source's settings in its
+    block (``data/config.py``), whatever layout the checkpoint holds, without the private ``_`` entries (Lightning's
+    ``_instantiator``): ``TextDataModule(**data_settings(ckpt))`` is the run's data module; empty when it has none."""
+    saved = checkpoint.get(DATAMODULE_HYPER_PARAMETERS_KEY) or {}
+    return nest_data_settings({k: v for k, v in saved.items() if not k.startswith("_")})
 
 
 def window_table(checkpoint: Mapping) -> torch.Tensor:

@@ -337,7 +337,7 @@ class AAHCLI(LightningCLI):
         self._preflight("test")
 
     def before_predict(self) -> None:
-        read_prompts(self.datamodule.hparams.prompts)  # a missing or empty prompts file, before the checkpoint is read
+        read_prompts(self.datamodule.config.prompts)  # a missing or empty prompts file, before the checkpoint is read
         self._preflight("predict")
 
 

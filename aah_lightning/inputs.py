@@ -27,7 +27,7 @@ def first_line(e: BaseException, limit: int = 160) -> str:
 
 # -- files -------------------------------------------------------------------------------------------------------------
 def named(setting: str, path) -> str:
-    """``setting='path'``, or ``setting 'path'`` for one entry of a list setting (``data.paths entry``)."""
+    """``setting='path'``, or ``setting 'path'`` for one entry of a list setting (``data.files.paths entry``)."""
     return f"{setting} {os.fspath(path)!r}" if setting.endswith(" entry") else f"{setting}={os.fspath(path)!r}"
 
 

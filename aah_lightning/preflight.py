@@ -252,7 +252,7 @@ EMBEDDING_WARN_RATIO = 10
 
 def warn_questionable(module, datamodule) -> None:
     """One warning line per setting that is legal but probably not meant: controller settings under a policy that
-    reads none of them; a recall vocabulary (``data.recall_keys``, ``data.recall_values``) that makes the embeddings
+    reads none of them; a recall vocabulary (``data.recall.keys``, ``data.recall.values``) that makes the embeddings
     many times the rest of the model."""
     aah = getattr(module, "aah_config", None)
     if aah is not None and aah.policy != "adaptive":
@@ -267,15 +267,15 @@ def warn_questionable(module, datamodule) -> None:
                 f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with "
                 f"model.aah.policy={aah.policy!r}: only the adaptive policy reads model.aah.controller"
             )
-    hp = getattr(datamodule, "hparams", {})
-    if hp.get("source") == "recall" or hp.get("recall_fraction", 0) > 0:
+    data = getattr(datamodule, "config", None)
+    if data is not None and (data.source == "recall" or data.recall.fraction > 0):
         gpt = module.gpt_config
         embeddings = gpt.vocab_size * gpt.n_embd  # the input embedding, tied to the output head
         total = sum(p.numel() for p in module.parameters())
         rest = max(total - embeddings, 1)
         if embeddings > EMBEDDING_WARN_RATIO * rest:
             rank_zero_warn(
-                f"data.recall_keys={hp.get('recall_keys')} (with data.recall_values={hp.get('recall_values')}) makes a "
+                f"data.recall.keys={data.recall.keys} (with data.recall.values={data.recall.values}) makes a "
                 f"vocabulary of {gpt.vocab_size} tokens: the embeddings hold {embeddings / 1e6:.1f} M of the model's "
                 f"{total / 1e6:.1f} M parameters, {embeddings / rest:.0f} times the rest; fewer keys train faster"
             )

@@ -232,8 +232,8 @@ FORMAT_1_SETTINGS = [
     "--data.source=synthetic",
     "--data.seq_len=16",
     "--data.batch_size=2",
-    "--data.synthetic_documents=40",
-    "--data.synthetic_vocab=12",
+    "--data.synthetic.documents=40",
+    "--data.synthetic.vocab=12",
 ]
 
 

@@ -24,7 +24,7 @@ from helpers.cli import REPO, cli_error
 from helpers.hf_models import save_tiny, save_tokenizer
 from helpers.resume import check_resumed, interrupted_then_resumed, read_run, run_args
 
-# -- the copy task: every target repeats the token DISTANCE back (data.recall_task: copy) -------------------------------
+# -- the copy task: every target repeats the token DISTANCE back (data.recall.task: copy) -------------------------------
 T, DISTANCE = 32, 20
 CANDIDATES = "[4,8,16,32]"
 SOURCE_TABLE = [[8, 8, 32, 8], [8, 8, 8, 8]]  # only head 2 of layer 0 sees 20 back: the head that learns the copy
@@ -51,10 +51,10 @@ def copy_args(folder, *extra, steps: int) -> list[str]:
         "--model.gpt.n_embd=64",
         f"--model.aah.candidates={CANDIDATES}",
         "--data.source=recall",
-        "--data.recall_task=copy",
-        f"--data.recall_copy_distance={DISTANCE}",
-        "--data.recall_keys=8",
-        "--data.recall_values=8",
+        "--data.recall.task=copy",
+        f"--data.recall.copy_distance={DISTANCE}",
+        "--data.recall.keys=8",
+        "--data.recall.values=8",
         f"--data.seq_len={T}",
         "--data.batch_size=16",
         "--data.val_blocks=8",
@@ -239,8 +239,8 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
         f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
         f"--checkpoint.dirpath={tmp_path}/ckpt",
         "--data.source=synthetic",
-        "--data.synthetic_vocab=63",
-        "--data.synthetic_documents=64",
+        "--data.synthetic.vocab=63",
+        "--data.synthetic.documents=64",
         "--data.seq_len=24",
         "--data.batch_size=4",
         "--data.global_batch_size=null",
@@ -302,7 +302,7 @@ def test_a_padded_vocabulary_keeps_its_rows_through_the_fine_tune(tmp_path, tiny
     assert retrofit.main([str(folder)]) == 0
     overlay = tmp_path / "source.yaml"
     overlay.write_text(capsys.readouterr().out)
-    run = ["--config", str(overlay), "--data.synthetic_vocab=63", "--model.optim.lr=1e-12", "--model.aah.policy=full"]
+    run = ["--config", str(overlay), "--data.synthetic.vocab=63", "--model.optim.lr=1e-12", "--model.aah.policy=full"]
     main(tiny_args(*run, steps=2, seq_len=24))
     saved = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert ck.gpt_settings(saved)["vocab_size"] == 80

@@ -204,7 +204,7 @@ def compiled_training(args, activation_checkpointing: bool, warmup: int, steps: 
             self.graphs.append(graphs())
             self.tables.append(pl_module.model.windows.clone())
 
-    data = TextDataModule(source="synthetic", seq_len=T, batch_size=B, synthetic_documents=4 * B, seed=0)
+    data = TextDataModule(source="synthetic", seq_len=T, batch_size=B, synthetic={"documents": 4 * B}, seed=0)
     cands = [T // 8, T // 4, T // 2, T - 1]  # all below T: every layer stays on the masked (flex) path
     model = AAHModule(
         gpt=GPTConfig(

@@ -49,15 +49,15 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", "
 def expand_paths(paths: list[str]) -> list[str]:
     """Expand globs; every pattern must match at least one readable file."""
     if not paths:
-        raise ConfigError("data.paths is empty: data.source='files' needs at least one file or glob pattern")
+        raise ConfigError("data.files.paths is empty: data.source='files' needs at least one file or glob pattern")
     out = []
     for pattern in paths:
         matches = sorted(glob.glob(os.path.expanduser(pattern))) or [pattern]
         for path in matches:
             if not os.path.isfile(path):
-                raise ConfigError(f"data.paths entry {path!r} does not exist or is not a file")
+                raise ConfigError(f"data.files.paths entry {path!r} does not exist or is not a file")
             if not os.access(path, os.R_OK):
-                raise ConfigError(f"data.paths entry {path!r} is not readable (check its permissions)")
+                raise ConfigError(f"data.files.paths entry {path!r} is not readable (check its permissions)")
             out.append(path)
     return out
 
@@ -70,7 +70,9 @@ def file_corpus(paths: list[str], text_field: str = "text", cache_dir: str | Non
     kinds = {_BUILDERS.get(os.path.splitext(p)[1].lower()) for p in files}
     if None in kinds or len(kinds) != 1:
         exts = sorted({os.path.splitext(p)[1] for p in files})
-        raise ConfigError(f"data.paths have extensions {exts}: use one format per run, one of {sorted(_BUILDERS)}")
+        raise ConfigError(
+            f"data.files.paths have extensions {exts}: use one format per run, one of {sorted(_BUILDERS)}"
+        )
     builder = kinds.pop()
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:
@@ -78,13 +80,15 @@ def file_corpus(paths: list[str], text_field: str = "text", cache_dir: str | Non
     except Exception as e:
         if builder in ("text", "json"):  # the usual cause, which datasets reports without the file: say which, where
             for path in files:
-                line = first_non_utf8(path, "data.paths entry")
+                line = first_non_utf8(path, "data.files.paths entry")
                 if line is not None:
                     raise ConfigError(line) from e
-        raise ConfigError(f"data.paths could not be read as {builder}: {type(e).__name__}: {first_line(e)}") from e
+        raise ConfigError(
+            f"data.files.paths could not be read as {builder}: {type(e).__name__}: {first_line(e)}"
+        ) from e
     if text_field not in ds.column_names:
         raise ConfigError(
-            f"data.text_field={text_field!r} is not a column of {files[0]}; columns are {ds.column_names}"
+            f"data.files.text_field={text_field!r} is not a column of {files[0]}; columns are {ds.column_names}"
         )
     if text_field != "text":
         ds = ds.rename_column(text_field, "text")
@@ -99,11 +103,13 @@ def hub_dataset(name: str, config: str | None, split: str, text_field: str = "te
         ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     except Exception as e:
         raise ConfigError(
-            f"data.hub_name={name!r} (config {config!r}, split {split!r}) cannot be loaded: "
+            f"data.hub.name={name!r} (config {config!r}, split {split!r}) cannot be loaded: "
             f"{type(e).__name__}: {str(e)[:200]}. Check the name and network"
         ) from e
     if text_field not in ds.column_names:
-        raise ConfigError(f"data.text_field={text_field!r} is not a column of {name}; columns are {ds.column_names}")
+        raise ConfigError(
+            f"data.hub.text_field={text_field!r} is not a column of {name}; columns are {ds.column_names}"
+        )
     return ds.rename_column(text_field, "text") if text_field != "text" else ds
 
 
@@ -116,10 +122,10 @@ def hub_corpus(name: str, config: str | None, split: str, text_field: str = "tex
         first = next(iter(ds))
     except Exception as e:
         raise ConfigError(
-            f"data.hub_name={name!r} (config {config!r}, split {split!r}) cannot be reached: "
+            f"data.hub.name={name!r} (config {config!r}, split {split!r}) cannot be reached: "
             f"{type(e).__name__}: {str(e)[:200]}. Check the name and network, or use data.source='files' with a "
             f"local copy"
         ) from e
     if text_field not in first:
-        raise ConfigError(f"data.text_field={text_field!r} is not a field of {name}; fields are {sorted(first)}")
+        raise ConfigError(f"data.hub.text_field={text_field!r} is not a field of {name}; fields are {sorted(first)}")
     return ds

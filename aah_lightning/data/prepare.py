@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 
 from aah_lightning.data import corpora
+from aah_lightning.data.config import DataConfig, nest_data_settings
 from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_meta, token_dtype, verify
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
@@ -233,31 +234,45 @@ def prepared_folder(
 
 
 # -- aah-prepare -------------------------------------------------------------------------------------------------------
-_DATA_DEFAULTS = {
-    "source": "stdlib",
-    "tokenizer": "byte",
-    "paths": None,
-    "text_field": "text",
-    "hub_name": None,
-    "hub_config": None,
-    "hub_split": "train",
-    "seed": 1234,
-    "max_documents": None,
-    "cache_dir": None,
+# aah-prepare's flags -> the data settings they set (the same names as the training config's).
+_FLAG_SETTINGS = {
+    "source": ("source",),
+    "tokenizer": ("tokenizer",),
+    "seed": ("seed",),
+    "max_documents": ("max_documents",),
+    "cache_dir": ("cache_dir",),
+    "paths": ("files", "paths"),
+    "text_field": ("files", "text_field"),
+    "hub_name": ("hub", "name"),
+    "hub_config": ("hub", "config"),
+    "hub_split": ("hub", "split"),
 }
 
 
-def _data_settings(args) -> dict:
+def _data_settings(args) -> DataConfig:
     """The data section of the training configs (later ones win), then the command line's settings."""
-    data = dict(_DATA_DEFAULTS)
+    data: dict = {}
     for path in args.config:
         config = read_yaml(path, "--config")
         if config is not None and not isinstance(config, dict):
             raise ConfigError(f"--config={path!r} holds a YAML {type(config).__name__}, not a training config")
         section = (config or {}).get("data") or {}
-        data.update(section.get("init_args", section))
-    data.update({k: v for k, v in vars(args).items() if k in _DATA_DEFAULTS and v is not None})
-    return data
+        for key, value in nest_data_settings(section.get("init_args", section)).items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    for flag, setting in _FLAG_SETTINGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if len(setting) == 1:
+            data[setting[0]] = value
+        else:
+            data[setting[0]] = {**(data.get(setting[0]) or {}), setting[1]: value}
+    if args.text_field is not None:  # one text column, whichever source reads it
+        data["hub"] = {**(data.get("hub") or {}), "text_field": args.text_field}
+    try:
+        return DataConfig(**data)
+    except TypeError as e:
+        raise ConfigError(f"the data section of --config {args.config} does not fit the data settings: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="aah-prepare",
         description="Tokenize the corpus of a training config into a token folder (train with data.source=tokens, "
-        "data.path=<folder>). Without --out it fills the cache folder a run of that config reads.",
+        "data.tokens.path=<folder>). Without --out it fills the cache folder a run of that config reads.",
     )
     parser.add_argument(
         "--config",
@@ -301,35 +316,31 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.verify}: intact ({meta['documents']} documents, {meta['tokens']} tokens)")
             return
         data = _data_settings(args)
-        if data["source"] not in ("stdlib", "files", "hub"):
-            raise ConfigError(f"data.source={data['source']!r} cannot be prepared: use stdlib, files or hub")
+        if data.source not in ("stdlib", "files", "hub"):
+            raise ConfigError(f"data.source={data.source!r} cannot be prepared: use stdlib, files or hub")
         if args.repeat < 1 or (args.num_proc is not None and args.num_proc < 1):
             raise ConfigError("--repeat and --num_proc must be positive integers")
-        tokenizer = load_tokenizer(data["tokenizer"], "--tokenizer" if args.tokenizer else "data.tokenizer")
+        tokenizer = load_tokenizer(data.tokenizer, "--tokenizer" if args.tokenizer else "data.tokenizer")
         if args.cache_dir:
             writable_folder(args.cache_dir, "--cache_dir")
         if args.out and not os.path.exists(args.out):
             writable_folder(args.out, "--out")  # the folder is written at the end: its place is checked now
+        hub = data.hub
+        text_field = hub.text_field if data.source == "hub" else data.files.text_field
         description = describe_source(
-            data["source"],
-            data["paths"],
-            data["text_field"],
-            data["hub_name"],
-            data["hub_config"],
-            data["hub_split"],
-            args.repeat,
+            data.source, data.files.paths, text_field, hub.name, hub.config, hub.split, args.repeat
         )
-        key = folder_key(description, tokenizer, data["seed"], data["max_documents"])
-        out = args.out or os.path.join(cache_root(data["cache_dir"]), key)
+        key = folder_key(description, tokenizer, data.seed, data.max_documents)
+        out = args.out or os.path.join(cache_root(data.cache_dir), key)
         start = time.perf_counter()
         path, made = prepared_folder(
             out,
             description,
             tokenizer,
-            data["seed"],
-            data["max_documents"],
+            data.seed,
+            data.max_documents,
             args.num_proc,
-            data["cache_dir"],
+            data.cache_dir,
             setting="--out",
         )
     except ConfigError as e:
@@ -342,5 +353,5 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{path}: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {mb:.1f} MB of text; {what}"
     )
-    tok = "" if data["tokenizer"] == "byte" else f" --data.tokenizer={data['tokenizer']}"
-    print(f"train from it: aah fit ... --data.source=tokens --data.path={path}{tok}")
+    tok = "" if data.tokenizer == "byte" else f" --data.tokenizer={data.tokenizer}"
+    print(f"train from it: aah fit ... --data.source=tokens --data.tokens.path={path}{tok}")

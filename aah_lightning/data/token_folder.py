@@ -304,7 +304,7 @@ def _check_file(path: str, name: str, info: dict, setting: str, full: bool) -> N
                 )
 
 
-def verify(path: str, setting: str = "data.path", full: bool = False) -> dict:
+def verify(path: str, setting: str = "data.tokens.path", full: bool = False) -> dict:
     """Sizes of every file, and sampled (or, ``full``, all) chunk checksums. Returns the metadata."""
     meta = read_meta(path, setting)
     for name, info in meta["files"].items():
@@ -312,7 +312,7 @@ def verify(path: str, setting: str = "data.path", full: bool = False) -> dict:
     return meta
 
 
-def open_folder(path: str, setting: str = "data.path", check: bool = True) -> tuple[TokenStream, dict]:
+def open_folder(path: str, setting: str = "data.tokens.path", check: bool = True) -> tuple[TokenStream, dict]:
     """The folder's token stream, memory-mapped (nothing is read into memory), and its metadata."""
     path = os.path.abspath(path)
     meta = verify(path, setting) if check else read_meta(path, setting)

@@ -17,7 +17,20 @@ from aah_lightning.windows import metrics
 LICENSE = "apache-2.0"  # aah's (pyproject.toml), which the modeling code in the folder is under
 
 # Data settings worth a reader's time (the rest are paths, worker counts and cache folders).
-_DATA_KEYS = ("source", "tokenizer", "seq_len", "batch_size", "paths", "path", "hub_name", "hub_config", "seed")
+_DATA_KEYS = ("source", "tokenizer", "seq_len", "batch_size", "seed")
+
+
+def data_summary(data: dict) -> dict:
+    """The card's data settings: the shared ones, the chosen source's own block (``data.files``, ``data.hub``, ...), and
+    the recall block where recall blocks were mixed in."""
+    summary = {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}
+    source = data.get("source")
+    if isinstance(data.get(source), dict):
+        summary[source] = data[source]
+    recall = data.get("recall") or {}
+    if source != "recall" and recall.get("fraction"):
+        summary["recall"] = recall
+    return summary
 
 
 def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
@@ -171,7 +184,7 @@ def render(
 ) -> str:
     """The card's markdown; ``params``: the exported model's parameter count; ``path``: the export folder, as the
     snippet loads it; ``dtype``: the weights' (and so the cache's) dtype."""
-    training = {"model": hyperparameters(ckpt), "data": {k: data[k] for k in _DATA_KEYS if data.get(k) is not None}}
+    training = {"model": hyperparameters(ckpt), "data": data_summary(data)}
     step = ckpt.get(GLOBAL_STEP_KEY)
     tokenizer = (
         "none (trained on synthetic data): pass token ids"

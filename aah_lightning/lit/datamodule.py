@@ -6,7 +6,7 @@ read by memory-mapping: ``stdlib`` and ``files`` are tokenized once into a folde
 (``data/prepare.py``), ``tokens`` names a prepared one. Blocks are slices of the stream; the held-out blocks are its
 tail (validation last, test before it). Streamed corpora (``hub``) go through ``data/streaming.py``.
 
-``recall`` generates the associative-recall task (``data/recall.py``) block by block; with ``recall_fraction`` a
+``recall`` generates the associative-recall task (``data/recall.py``) block by block; with ``data.recall.fraction`` a
 share of a text corpus's blocks are recall blocks instead (``data/sources/recall.py``: ``with_recall``). Recall blocks carry a ``loss_mask``
 (training and the loss count only the predictable targets) and ``recall_distance`` (the module's recall accuracy).
 
@@ -17,12 +17,22 @@ part of every checkpoint (``state_dict``), so a resumed run continues with exact
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from dataclasses import fields
+from typing import Any, Optional
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from aah_lightning.data.config import (
+    FLAT_DATA_SETTINGS,
+    DataConfig,
+    FilesConfig,
+    HubConfig,
+    RecallConfig,
+    SyntheticConfig,
+    TokensConfig,
+)
 from aah_lightning.data.prompts import prompt_loader
 from aah_lightning.data.sources import get_source, source_names
 from aah_lightning.data.sources.recall import RecallSource, with_recall
@@ -51,39 +61,45 @@ class TextDataModule(L.LightningDataModule):
         batch_size: int = 16,
         global_batch_size: Optional[int] = None,
         tokenizer: str = "byte",
-        paths: Optional[list[str]] = None,
-        path: Optional[str] = None,
-        text_field: str = "text",
-        hub_name: Optional[str] = None,
-        hub_config: Optional[str] = None,
-        hub_split: str = "train",
         val_fraction: float = 0.02,
         test_fraction: float = 0.01,
         val_blocks: int = 64,
         test_blocks: int = 64,
         max_documents: Optional[int] = None,
-        synthetic_documents: int = 2000,
-        synthetic_vocab: int = 64,
-        synthetic_distance: Optional[int] = None,
-        recall_keys: int = 32,
-        recall_values: int = 16,
-        recall_gaps: Literal["mix", "uniform", "loguniform"] = "mix",
-        recall_blocks: int = 1_000_000,
-        recall_fraction: float = 0.0,
-        recall_task: Literal["mqar", "copy"] = "mqar",
-        recall_copy_distance: Optional[int] = None,
         num_workers: int = 0,
         num_proc: Optional[int] = None,
         seed: int = 1234,
         cache_dir: Optional[str] = None,
         prompts: Optional[str] = None,
+        files: Optional[FilesConfig] = None,
+        tokens: Optional[TokensConfig] = None,
+        hub: Optional[HubConfig] = None,
+        synthetic: Optional[SyntheticConfig] = None,
+        recall: Optional[RecallConfig] = None,
+        plugin: Optional[dict[str, Any]] = None,
+        paths: Optional[list[str]] = None,
+        path: Optional[str] = None,
+        text_field: Optional[str] = None,
+        hub_name: Optional[str] = None,
+        hub_config: Optional[str] = None,
+        hub_split: Optional[str] = None,
+        synthetic_documents: Optional[int] = None,
+        synthetic_vocab: Optional[int] = None,
+        synthetic_distance: Optional[int] = None,
+        recall_keys: Optional[int] = None,
+        recall_values: Optional[int] = None,
+        recall_gaps: Optional[str] = None,
+        recall_blocks: Optional[int] = None,
+        recall_fraction: Optional[float] = None,
+        recall_task: Optional[str] = None,
+        recall_copy_distance: Optional[int] = None,
     ):
         """
         Args:
             source: a registered data source: stdlib (embedded default corpus, no network), files, tokens (a
                 prepared token folder), hub (streamed), synthetic (copies at one distance), recall (multi-query
                 associative recall), or module:name of a source registered in an importable module
-                (docs/architecture.md, "Adding a data source").
+                (docs/architecture.md, "Adding a data source"; its settings in ``plugin``).
             seq_len: tokens per training sequence (blocks hold seq_len + 1).
             batch_size: sequences per batch and rank.
             global_batch_size: sequences per optimizer step over all ranks; trainer.accumulate_grad_batches then
@@ -91,33 +107,11 @@ class TextDataModule(L.LightningDataModule):
                 trainer.accumulate_grad_batches yourself. Keeps the optimization the same on another number of GPUs.
             tokenizer: 'byte' (default), or a Hugging Face tokenizer name, tokenizer.json path or folder. For
                 source=tokens, the tokenizer the folder was prepared with.
-            paths: files or glob patterns for source=files (.txt, .jsonl/.json, .parquet).
-            path: the token folder for source=tokens (written by aah-prepare).
-            text_field: the text column of json/parquet files and hub datasets.
-            hub_name: hub dataset name for source=hub.
-            hub_config: the hub dataset's configuration (subset), if it has several.
-            hub_split: the hub dataset's split to read.
             val_fraction: share of the blocks held out for validation: the tail of the seeded stream (map-style).
             test_fraction: share of the blocks held out for ``aah test``: the blocks just before validation.
             val_blocks: number of held-out validation blocks for source=hub (the head of the stream) and recall.
             test_blocks: number of held-out test blocks for source=hub (after the validation blocks) and recall.
             max_documents: use only the first N documents (after the seeded shuffle); None = all.
-            synthetic_documents: number of synthetic documents (source=synthetic).
-            synthetic_vocab: symbols of the synthetic language.
-            synthetic_distance: long-range copy distance; default seq_len // 2.
-            recall_keys: keys of the recall task (at least the slots of a sequence would need: a key is bound once
-                per sequence).
-            recall_values: values of the recall task (chance accuracy is 1 / recall_values).
-            recall_gaps: how far a key comes back, in 3-token slots: mix (half log-uniform, half uniform over the
-                sequence), uniform or loguniform.
-            recall_blocks: training sequences of source=recall (generated on demand: none is stored); validation and
-                test use val_blocks / test_blocks sequences of their own.
-            recall_fraction: with a text source (stdlib, files, tokens): this share of the training, validation and
-                test blocks are recall sequences, with ids above the tokenizer's (0 = none).
-            recall_task: mqar (multi-query associative recall) or copy (every token after the first
-                recall_copy_distance repeats the one that far back; data/recall.py).
-            recall_copy_distance: the copy task's distance; default 5/8 of seq_len (160 at T = 256: only a window
-                wider than T/2 reaches it).
             num_workers: DataLoader workers.
             num_proc: tokenizer processes when a token folder is prepared; default 1 for corpora under 64 MB of
                 text, else up to 4.
@@ -126,54 +120,112 @@ class TextDataModule(L.LightningDataModule):
             cache_dir: where token folders of stdlib/files are kept (under tokens/); default $AAH_CACHE_DIR or
                 ~/.cache/aah. Also the Hugging Face datasets cache for source=files, when given.
             prompts: aah predict's prompts: a text file (one prompt per line) or JSONL with a 'prompt' field.
+            files: settings of source=files: paths (files or glob patterns: .txt, .jsonl/.json, .parquet) and
+                text_field (the text column of json/parquet files).
+            tokens: settings of source=tokens: path (the token folder, written by aah-prepare).
+            hub: settings of source=hub: name, config (subset), split and text_field of the hub dataset.
+            synthetic: settings of source=synthetic: documents, vocab (symbols) and distance (default seq_len // 2).
+            recall: settings of the recall task (source=recall, or mixed into a text source with fraction > 0):
+                keys, values, gaps, blocks, fraction, task (mqar or copy) and copy_distance (data/config.py).
+            plugin: settings of a source registered outside the package, a mapping it reads and checks itself.
+            paths: deprecated, now files.paths.
+            path: deprecated, now tokens.path.
+            text_field: deprecated, now files.text_field and hub.text_field.
+            hub_name: deprecated, now hub.name.
+            hub_config: deprecated, now hub.config.
+            hub_split: deprecated, now hub.split.
+            synthetic_documents: deprecated, now synthetic.documents.
+            synthetic_vocab: deprecated, now synthetic.vocab.
+            synthetic_distance: deprecated, now synthetic.distance.
+            recall_keys: deprecated, now recall.keys.
+            recall_values: deprecated, now recall.values.
+            recall_gaps: deprecated, now recall.gaps.
+            recall_blocks: deprecated, now recall.blocks.
+            recall_fraction: deprecated, now recall.fraction.
+            recall_task: deprecated, now recall.task.
+            recall_copy_distance: deprecated, now recall.copy_distance.
         """
         super().__init__()
-        source_class = get_source(source)
-        require(isinstance(seq_len, int) and seq_len > 0, "data.seq_len", seq_len, "a positive integer")
-        require(isinstance(batch_size, int) and batch_size > 0, "data.batch_size", batch_size, "a positive integer")
-        require(
-            global_batch_size is None or (isinstance(global_batch_size, int) and global_batch_size > 0),
-            "data.global_batch_size",
-            global_batch_size,
-            "a positive integer (a multiple of data.batch_size x world size), or null",
-        )
-        require(0.0 < val_fraction < 1.0, "data.val_fraction", val_fraction, "a number in (0, 1)")
-        require(
-            0.0 <= test_fraction < 1.0 - val_fraction,
-            "data.test_fraction",
-            test_fraction,
-            f"a number in [0, 1 - data.val_fraction={1 - val_fraction:g})",
-        )
-        require(
-            isinstance(val_blocks, int) and val_blocks >= 1,
-            "data.val_blocks",
-            val_blocks,
-            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
-        )
-        require(isinstance(test_blocks, int) and test_blocks >= 0, "data.test_blocks", test_blocks, ">= 0")
-        require(num_proc is None or num_proc >= 1, "data.num_proc", num_proc, "a positive integer, or null")
+        arguments = dict(locals())
+        flat = {key: arguments[key] for key in FLAT_DATA_SETTINGS}
+        shared = {f.name: arguments[f.name] for f in fields(DataConfig)}
+        self.config = config = DataConfig.from_arguments(flat, **shared)
+        self.check_shared(config)
+        source_class = get_source(config.source)
         mixable = [name for name in source_names() if get_source(name).mixable]
+        fraction = config.recall.fraction
         require(
-            0.0 <= recall_fraction < 1.0 and (recall_fraction == 0 or source_class.mixable),
-            "data.recall_fraction",
-            recall_fraction,
+            0.0 <= fraction < 1.0 and (fraction == 0 or source_class.mixable),
+            "data.recall.fraction",
+            fraction,
             f"in [0, 1), and above 0 only with data.source {', '.join(mixable[:-1])} or {mixable[-1]}",
         )
-        self.save_hyperparameters()
+        # Plain dicts, nested per source (checkpoints load with torch.load(weights_only=True)).
+        self.save_hyperparameters(config.settings())
         self.prepare_data_per_node = True  # token folders live in each node's cache folder
-        self.source = source_class(self.hparams)
-        # The recall settings are flat settings of the data module: checked whatever the source (they are cheap).
-        self.recall = self.source if isinstance(self.source, RecallSource) else RecallSource(self.hparams)
+        self.source = source_class(config)
+        # The recall settings are checked whatever the source (they are cheap).
+        self.recall = self.source if isinstance(self.source, RecallSource) else RecallSource(config)
         self.recall.check()
         self.source.check()
-        self.tokenizer = load_tokenizer(tokenizer) if source_class.has_tokens else None
+        self.tokenizer = load_tokenizer(config.tokenizer) if source_class.has_tokens else None
         self._vocab, self._eos = self.source.vocabulary(self.tokenizer)
-        if recall_fraction > 0:  # the recall task's keys and values above the tokenizer's ids
+        if fraction > 0:  # the recall task's keys and values above the tokenizer's ids
             self._vocab += self.recall.ids
         if self.tokenizer is not None:
             self.source.check_tokenizer(self.tokenizer)
         self.train_set = self.val_set = self.test_set = None
-        self.position = DataPosition(source, seed, batch_size, global_batch_size, num_workers, source_class.streamed)
+        self.position = DataPosition(
+            config.source,
+            config.seed,
+            config.batch_size,
+            config.global_batch_size,
+            config.num_workers,
+            source_class.streamed,
+        )
+
+    @staticmethod
+    def check_shared(config: DataConfig) -> None:
+        """The settings every source shares, in one line each."""
+        require(
+            isinstance(config.seq_len, int) and config.seq_len > 0, "data.seq_len", config.seq_len, "a positive integer"
+        )
+        require(
+            isinstance(config.batch_size, int) and config.batch_size > 0,
+            "data.batch_size",
+            config.batch_size,
+            "a positive integer",
+        )
+        gbs = config.global_batch_size
+        require(
+            gbs is None or (isinstance(gbs, int) and gbs > 0),
+            "data.global_batch_size",
+            gbs,
+            "a positive integer (a multiple of data.batch_size x world size), or null",
+        )
+        val, test = config.val_fraction, config.test_fraction
+        require(0.0 < val < 1.0, "data.val_fraction", val, "a number in (0, 1)")
+        require(
+            0.0 <= test < 1.0 - val, "data.test_fraction", test, f"a number in [0, 1 - data.val_fraction={1 - val:g})"
+        )
+        require(
+            isinstance(config.val_blocks, int) and config.val_blocks >= 1,
+            "data.val_blocks",
+            config.val_blocks,
+            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
+        )
+        require(
+            isinstance(config.test_blocks, int) and config.test_blocks >= 0,
+            "data.test_blocks",
+            config.test_blocks,
+            ">= 0",
+        )
+        require(
+            config.num_proc is None or config.num_proc >= 1,
+            "data.num_proc",
+            config.num_proc,
+            "a positive integer, or null",
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -193,8 +245,8 @@ class TextDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         endless = self.trainer is None or self.trainer.max_steps > 0
         splits = self.source.splits(self.tokenizer, rank, world, endless)
-        if self.hparams.recall_fraction > 0:  # the same share of recall blocks in every split
-            splits = with_recall(splits, self.recall, self.hparams.recall_fraction, self.tokenizer.vocab_size)
+        if self.config.recall.fraction > 0:  # the same share of recall blocks in every split
+            splits = with_recall(splits, self.recall, self.config.recall.fraction, self.tokenizer.vocab_size)
         self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
         if isinstance(self.train_set, StreamedBlocks) and self.position.restored is not None:
             self._apply_restored_stream(rank, world)
@@ -225,7 +277,7 @@ class TextDataModule(L.LightningDataModule):
         return self.position.planned_steps(self.trainer, self._train_blocks(), self._layout())
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
+        hp = self.config
         self.position.restate_batch_count(self.trainer)
         if isinstance(self.train_set, IterableDataset):
             return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
@@ -244,7 +296,7 @@ class TextDataModule(L.LightningDataModule):
             data = torch.utils.data.Subset(data, list(range(rank, len(data), world)))
         elif world > 1:
             data = data[rank::world]
-        hp = self.hparams
+        hp = self.config
         return DataLoader(data, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
 
     def val_dataloader(self) -> DataLoader:
@@ -257,7 +309,7 @@ class TextDataModule(L.LightningDataModule):
         return self._held_out_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
-        hp = self.hparams
+        hp = self.config
         return prompt_loader(hp.prompts, self.tokenizer, hp.seq_len, hp.batch_size, *self._rank_world())
 
     # -- the data position in checkpoints ---------------------------------------------------------------------------

@@ -24,6 +24,12 @@ from aah_lightning.model.config import GPTConfig
 from helpers.cli import cli_error, run_tool, tiny_config, train_tiny
 
 
+def files_source(paths: str, cache=None) -> list[str]:
+    """The command-line settings of a ``files`` source (and its cache folder)."""
+    cache_args = [f"--data.cache_dir={cache}"] if cache is not None else []
+    return ["--data.source=files", f"--data.files.paths={paths}", *cache_args]
+
+
 def refuse(tmp_path, capsys, *args, subcommand="fit", **sections) -> str:
     code, line = cli_error([subcommand, "--config", tiny_config(tmp_path, **sections), *args], capsys)
     assert code == 2, line
@@ -177,13 +183,13 @@ def test_a_controller_setting_under_a_policy_that_ignores_it_warns():
 
 def test_a_recall_vocabulary_that_dwarfs_the_model_warns():
     def run(keys: int) -> list[str]:
-        data = TextDataModule(source="recall", seq_len=32, batch_size=4, recall_keys=keys)
+        data = TextDataModule(source="recall", seq_len=32, batch_size=4, recall={"keys": keys})
         gpt = GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=data.vocab_size)
         return _warnings_of(AAHModule(gpt=gpt), data)
 
     assert run(32) == []  # configs/recall's size
     (line,) = run(100000)
-    assert line.startswith("data.recall_keys=100000 (with data.recall_values=16) makes a vocabulary of 100017 tokens: ")
+    assert line.startswith("data.recall.keys=100000 (with data.recall.values=16) makes a vocabulary of 100017 tokens: ")
     assert "times the rest; fewer keys train faster" in line
 
 
@@ -213,7 +219,7 @@ def test_global_batch_size_that_one_process_cannot_reach_or_a_conflicting_accumu
 def test_a_stream_resumed_on_another_number_of_processes_is_refused():
     from types import SimpleNamespace
 
-    data = TextDataModule(source="hub", hub_name="local/fake", batch_size=4)
+    data = TextDataModule(source="hub", hub={"name": "local/fake"}, batch_size=4)
     saved = {"source": "hub", "seed": 1234, "batch_size": 4, "accumulate_grad_batches": 1, "world_size": 2}
     one_process = SimpleNamespace(world_size=1, accumulate_grad_batches=2)  # the same global batch, 8
     with pytest.raises(ConfigError) as e:
@@ -228,32 +234,26 @@ def test_a_stream_resumed_on_another_number_of_processes_is_refused():
 
 def test_empty_corpus(tmp_path, capsys):
     paths = f"[{text_file(tmp_path, 'empty.txt', '')}]"
-    line = refuse(
-        tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf")
-    )
-    assert "empty corpus" in line and "data.paths" in line
+    line = refuse(tmp_path, capsys, *files_source(paths, tmp_path / "hf"))
+    assert "empty corpus" in line and "data.files.paths" in line
 
 
 def test_corpus_shorter_than_one_block(tmp_path, capsys):
     paths = f"[{text_file(tmp_path, 'short.txt', 'a short document')}]"
-    line = refuse(
-        tmp_path, capsys, "--data.source", "files", "--data.paths", paths, "--data.cache_dir", str(tmp_path / "hf")
-    )
+    line = refuse(tmp_path, capsys, *files_source(paths, tmp_path / "hf"))
     assert "data.seq_len" in line and "tokens" in line
 
 
 def test_missing_data_file(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{tmp_path / 'nowhere.txt'}]")
-    assert "data.paths" in line and "nowhere.txt" in line
+    line = refuse(tmp_path, capsys, *files_source(f"[{tmp_path / 'nowhere.txt'}]"))
+    assert "data.files.paths" in line and "nowhere.txt" in line
 
 
 def test_unreadable_data_file(tmp_path, capsys):
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"text": "fine"}\nthis line is not json {\n')
-    line = refuse(
-        tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{bad}]", "--data.cache_dir", str(tmp_path / "hf")
-    )
-    assert "data.paths" in line and "json" in line
+    line = refuse(tmp_path, capsys, *files_source(f"[{bad}]", tmp_path / "hf"))
+    assert "data.files.paths" in line and "json" in line
 
 
 def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
@@ -262,8 +262,8 @@ def test_hub_dataset_unreachable_offline(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    line = refuse(tmp_path, capsys, "--data.source", "hub", "--data.hub_name", "aah-tests/no-such-dataset")
-    assert "data.hub_name='aah-tests/no-such-dataset'" in line and "cannot be reached" in line
+    line = refuse(tmp_path, capsys, "--data.source", "hub", "--data.hub.name", "aah-tests/no-such-dataset")
+    assert "data.hub.name='aah-tests/no-such-dataset'" in line and "cannot be reached" in line
 
 
 def test_a_hub_tokenizer_offline_is_one_line_at_once(tmp_path, capsys, monkeypatch):
@@ -302,7 +302,7 @@ def test_tokenizer_larger_than_model_vocabulary(tmp_path):
     # The CLI links model.gpt.vocab_size to the tokenizer; code that builds the pieces itself gets the same check.
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=100))
     data = TextDataModule(
-        source="files", paths=[text_file(tmp_path)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "hf")
+        source="files", files={"paths": [text_file(tmp_path)]}, seq_len=32, batch_size=4, cache_dir=str(tmp_path / "hf")
     )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
@@ -368,7 +368,11 @@ def test_checkpoint_of_another_shape(tmp_path, capsys, good_ckpt):
 def test_checkpoint_trained_with_another_tokenizer(tmp_path, capsys, good_ckpt):
     # The checkpoint's model has the synthetic task's 65 symbols; the byte tokenizer needs 257.
     line = refuse(
-        tmp_path, capsys, "--ckpt_path", good_ckpt, "--data.source", "files", "--data.paths", f"[{text_file(tmp_path)}]"
+        tmp_path,
+        capsys,
+        "--ckpt_path",
+        good_ckpt,
+        *files_source(f"[{text_file(tmp_path)}]"),
     )
     assert "model.gpt.vocab_size=65" in line and "data.tokenizer" in line
 
@@ -381,7 +385,7 @@ def test_validate_checks_the_checkpoint_too(tmp_path, capsys, good_ckpt):
 def test_checkpoint_shape_check_without_the_cli(tmp_path, good_ckpt):
     # Trainer.fit(ckpt_path=...) directly: AAHModule.on_load_checkpoint reports the setting before load_state_dict.
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=32, vocab_size=65))
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     trainer = L.Trainer(
         accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
@@ -713,16 +717,18 @@ def test_prepare_corpus_not_utf8(tmp_path, capsys):
     corpus = latin1_file(tmp_path, "latin1.txt", before="def f():\n    pass\n")
     args = ["--source", "files", "--paths", corpus, "--out", str(tmp_path / "tokens"), "--cache_dir", str(tmp_path)]
     line = tool_error(capsys, "prepare_data", *args)
-    assert f"data.paths entry '{corpus}' line 3 is not UTF-8 text" in line
+    assert f"data.files.paths entry '{corpus}' line 3 is not UTF-8 text" in line
     assert not (tmp_path / "tokens").exists()
 
 
 def test_fit_corpus_not_utf8(tmp_path, capsys):
     corpus = latin1_file(tmp_path, "latin1.jsonl", before='{"text": "fine"}\n')
     line = refuse(
-        tmp_path, capsys, "--data.source", "files", "--data.paths", f"[{corpus}]", "--data.cache_dir", str(tmp_path)
+        tmp_path,
+        capsys,
+        *files_source(f"[{corpus}]", tmp_path),
     )
-    assert f"data.paths entry '{corpus}' line 2 is not UTF-8 text" in line
+    assert f"data.files.paths entry '{corpus}' line 2 is not UTF-8 text" in line
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "unwritable"])

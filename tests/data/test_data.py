@@ -143,8 +143,8 @@ def _docs_of(blocks) -> set:
 
 
 def test_split_is_deterministic_and_disjoint():
-    a = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1, test_fraction=0.05)
-    b = make_dm(source="synthetic", seq_len=32, synthetic_documents=200, val_fraction=0.1, test_fraction=0.05)
+    a = make_dm(source="synthetic", seq_len=32, synthetic={"documents": 200}, val_fraction=0.1, test_fraction=0.05)
+    b = make_dm(source="synthetic", seq_len=32, synthetic={"documents": 200}, val_fraction=0.1, test_fraction=0.05)
     for part in ("train_set", "test_set", "val_set"):
         assert np.array_equal(getattr(a, part).as_array(), getattr(b, part).as_array())
     total = len(a.train_set) + len(a.test_set) + len(a.val_set)
@@ -181,8 +181,7 @@ def test_local_files_through_datasets(tmp_path, kind):
     field = "text" if kind == "txt" else "body"
     dm = make_dm(
         source="files",
-        paths=paths,
-        text_field=field,
+        files={"paths": paths, "text_field": field},
         seq_len=64,
         cache_dir=str(tmp_path / "cache"),
         val_fraction=0.1,

@@ -81,7 +81,7 @@ def test_recall_accuracy_by_distance_bucket_against_a_hand_count():
 
 def test_a_run_on_the_recall_task_logs_recall_accuracy_by_distance(tmp_path, tiny_args):
     main(
-        tiny_args("--data.recall_keys=8", "--data.recall_values=4", "--data.val_blocks=4", source="recall", seq_len=64)
+        tiny_args("--data.recall.keys=8", "--data.recall.values=4", "--data.val_blocks=4", source="recall", seq_len=64)
     )
     scalars = read_events(str(tmp_path / "runs"))["scalars"]
     acc = scalars["val/recall_acc"][-1][1]
@@ -92,7 +92,7 @@ def test_a_run_on_the_recall_task_logs_recall_accuracy_by_distance(tmp_path, tin
 
 
 def test_recall_mixed_into_text_shares_blocks_and_grows_the_vocabulary(tmp_path):
-    dm = TextDataModule(source="stdlib", seq_len=64, batch_size=4, recall_fraction=0.25, max_documents=40)
+    dm = TextDataModule(source="stdlib", seq_len=64, batch_size=4, recall={"fraction": 0.25}, max_documents=40)
     dm.setup("fit")
     assert dm.vocab_size == 257 + 32 + 16
     n_text, n_recall = len(dm.train_set.text), len(dm.train_set.recall)
@@ -107,12 +107,12 @@ def test_recall_mixed_into_text_shares_blocks_and_grows_the_vocabulary(tmp_path)
 @pytest.mark.parametrize(
     "settings, match",
     [
-        ({"source": "recall", "recall_gaps": "far"}, "data.recall_gaps='far' is not allowed"),
-        ({"source": "recall", "recall_values": 1}, "data.recall_values=1 is not allowed"),
-        ({"source": "synthetic", "recall_fraction": 0.5}, "data.recall_fraction=0.5 is not allowed"),
-        ({"source": "stdlib", "recall_fraction": 1.0}, "data.recall_fraction=1.0 is not allowed"),
-        ({"source": "recall", "recall_task": "passkey"}, "data.recall_task='passkey' is not allowed"),
-        ({"source": "recall", "recall_copy_distance": 64}, "data.recall_copy_distance=64 is not allowed"),
+        ({"source": "recall", "recall": {"gaps": "far"}}, "data.recall.gaps='far' is not allowed"),
+        ({"source": "recall", "recall": {"values": 1}}, "data.recall.values=1 is not allowed"),
+        ({"source": "synthetic", "recall": {"fraction": 0.5}}, "data.recall.fraction=0.5 is not allowed"),
+        ({"source": "stdlib", "recall": {"fraction": 1.0}}, "data.recall.fraction=1.0 is not allowed"),
+        ({"source": "recall", "recall": {"task": "passkey"}}, "data.recall.task='passkey' is not allowed"),
+        ({"source": "recall", "recall": {"copy_distance": 64}}, "data.recall.copy_distance=64 is not allowed"),
     ],
 )
 def test_bad_recall_settings_are_one_clear_error(settings, match):
@@ -123,7 +123,7 @@ def test_bad_recall_settings_are_one_clear_error(settings, match):
 def test_the_copy_task_answers_at_one_distance_only():
     """Every counted target repeats the token exactly ``distance`` back, and is an answer at that distance; the
     first ``distance`` targets do not count (nothing predicts them)."""
-    dm = TextDataModule(source="recall", recall_task="copy", recall_copy_distance=40, seq_len=64, val_blocks=4)
+    dm = TextDataModule(source="recall", recall={"task": "copy", "copy_distance": 40}, seq_len=64, val_blocks=4)
     dm.setup("fit")
     for i in range(4):
         item = dm.val_set[i]
@@ -133,7 +133,7 @@ def test_the_copy_task_answers_at_one_distance_only():
         assert torch.equal(tokens[40:], tokens[:-40])  # the copies
         assert set(dist[mask].tolist()) == {40} and not dist[~mask].any()
     assert not torch.equal(dm.val_set[0]["tokens"][:40], dm.val_set[1]["tokens"][:40])  # fresh tokens per sequence
-    default = TextDataModule(source="recall", recall_task="copy", seq_len=64, val_blocks=1)
+    default = TextDataModule(source="recall", recall={"task": "copy"}, seq_len=64, val_blocks=1)
     default.setup("fit")
     assert set(default.val_set[0]["recall_distance"].unique().tolist()) == {0, 40}  # 5/8 of T by default
 

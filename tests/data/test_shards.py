@@ -30,7 +30,9 @@ def _attach(dm, rank, world, max_steps=-1):
 def test_map_style_shards_are_disjoint_and_cover_an_epoch(world):
     seen, val = [], []
     for rank in range(world):
-        dm = _attach(TextDataModule(source="synthetic", seq_len=16, batch_size=1, synthetic_documents=50), rank, world)
+        dm = _attach(
+            TextDataModule(source="synthetic", seq_len=16, batch_size=1, synthetic={"documents": 50}), rank, world
+        )
         dm.setup("fit")
         seen.append([i for batch in dm.train_dataloader() for i in batch["index"].tolist()])
         val.append([tuple(b.tolist()) for batch in dm.val_dataloader() for b in batch["tokens"]])
@@ -70,7 +72,9 @@ def test_streamed_shards_are_disjoint_cover_the_stream_and_leave_held_out_blocks
     shards, held_out = [], None
     for rank in range(world):
         dm = _attach(
-            TextDataModule(source="hub", hub_name="local/fake", seq_len=16, batch_size=2, val_blocks=4, test_blocks=2),
+            TextDataModule(
+                source="hub", hub={"name": "local/fake"}, seq_len=16, batch_size=2, val_blocks=4, test_blocks=2
+            ),
             rank,
             world,
         )

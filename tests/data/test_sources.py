@@ -51,19 +51,19 @@ def test_an_unknown_source_is_refused_with_what_is_allowed():
 
 
 def test_the_documented_example_source_trains_through_the_cli(my_sources, tmp_path, tiny_args):
-    data = TextDataModule(source="my_sources:counting", seq_len=16, batch_size=4, synthetic_vocab=10)
+    data = TextDataModule(source="my_sources:counting", seq_len=16, batch_size=4, plugin={"vocab": 10})
     data.setup("fit")
     assert data.vocab_size == 11 and data.tokenizer is None
     item = data.train_set[3]["tokens"]
     assert torch.equal(item, (torch.arange(17) + 3) % 10)
-    with pytest.raises(ConfigError, match=r"data.synthetic_vocab=1 .*an integer >= 2"):
-        TextDataModule(source="my_sources:counting", synthetic_vocab=1)
+    with pytest.raises(ConfigError, match=r"data.plugin.vocab=1 .*an integer >= 2"):
+        TextDataModule(source="my_sources:counting", plugin={"vocab": 1})
 
-    main(tiny_args("--data.source=my_sources:counting", "--data.synthetic_vocab=10", steps=4))
+    main(tiny_args("--data.source=my_sources:counting", "--data.plugin.vocab=10", steps=4))
     saved = read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert saved["global_step"] == 4
     assert saved["datamodule_hyper_parameters"]["source"] == "my_sources:counting"
     assert checkpoint_tokenizer(saved) is None  # a source of its own ids: no tokenizer comes with the model
     # It resumes like any source: the data position is DataPosition's, not the source's.
-    main(tiny_args("--data.source=my_sources:counting", "--data.synthetic_vocab=10", "--ckpt_path=last", steps=6))
+    main(tiny_args("--data.source=my_sources:counting", "--data.plugin.vocab=10", "--ckpt_path=last", steps=6))
     assert read_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6

@@ -66,7 +66,7 @@ def test_round_trip_hf_tokenizer_with_byte_counts(tmp_path):
     tok = _bpe(tmp_path)
     dm = TextDataModule(
         source="files",
-        paths=[texts_file(tmp_path, TEXTS)],
+        files={"paths": [texts_file(tmp_path, TEXTS)]},
         tokenizer=tok,
         seq_len=16,
         cache_dir=str(tmp_path / "cache"),
@@ -97,7 +97,7 @@ def test_memmap_reads_without_loading(tmp_path):
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     before = rss()
-    dm = TextDataModule(source="tokens", path=str(tmp_path / "big"), seq_len=255, batch_size=4)
+    dm = TextDataModule(source="tokens", tokens={"path": str(tmp_path / "big")}, seq_len=255, batch_size=4)
     dm.setup("fit")
     assert isinstance(dm.train_set.stream.tokens, np.memmap) and len(dm.train_set) > 180_000
     items = [dm.train_set[i] for i in range(0, len(dm.train_set), len(dm.train_set) // 100)]  # all over the file
@@ -121,7 +121,7 @@ def test_token_type_follows_the_vocabulary(tmp_path):
 
 def test_second_setup_uses_the_cache_without_tokenizing(tmp_path, monkeypatch):
     paths = [texts_file(tmp_path, TEXTS)]
-    first = TextDataModule(source="files", paths=paths, seq_len=16, cache_dir=str(tmp_path / "cache"))
+    first = TextDataModule(source="files", files={"paths": paths}, seq_len=16, cache_dir=str(tmp_path / "cache"))
     first.setup("fit")
 
     def no_tokenizing(*a, **k):
@@ -129,12 +129,14 @@ def test_second_setup_uses_the_cache_without_tokenizing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare, "prepare", no_tokenizing)
     monkeypatch.setattr(corpora, "file_corpus", no_tokenizing)
-    again = TextDataModule(source="files", paths=paths, seq_len=16, cache_dir=str(tmp_path / "cache"))
+    again = TextDataModule(source="files", files={"paths": paths}, seq_len=16, cache_dir=str(tmp_path / "cache"))
     again.setup("fit")
     assert np.array_equal(again.train_set.as_array(), first.train_set.as_array())
     # Another tokenizer or order is another folder.
     monkeypatch.undo()
-    other = TextDataModule(source="files", paths=paths, seq_len=16, cache_dir=str(tmp_path / "cache"), seed=5)
+    other = TextDataModule(
+        source="files", files={"paths": paths}, seq_len=16, cache_dir=str(tmp_path / "cache"), seed=5
+    )
     other.setup("fit")
     assert len(os.listdir(tmp_path / "cache" / "tokens")) == 2
 
@@ -147,7 +149,7 @@ def test_test_blocks_are_held_out_and_aah_test_evaluates_them(tmp_path):
 
     dm = TextDataModule(
         source="files",
-        paths=[texts_file(tmp_path, TEXTS)],
+        files={"paths": [texts_file(tmp_path, TEXTS)]},
         seq_len=16,
         batch_size=4,
         cache_dir=str(tmp_path / "cache"),
@@ -211,7 +213,7 @@ def test_output_that_is_not_a_token_folder_is_refused(tmp_path):
 def test_folder_of_another_tokenizer_is_refused(tmp_path):
     folder = small_folder(tmp_path)
     with pytest.raises(ConfigError) as e:
-        TextDataModule(source="tokens", path=folder, tokenizer=_bpe(tmp_path))
+        TextDataModule(source="tokens", tokens={"path": folder}, tokenizer=_bpe(tmp_path))
     line = _one_line(e)
     assert "tokenizer 'byte'" in line and "data.tokenizer=" in line and "vocabulary 257" in line
 
@@ -231,10 +233,10 @@ def test_damaged_folder_is_refused(tmp_path, damage):
     else:
         os.remove(os.path.join(folder, "meta.json"))
     with pytest.raises(ConfigError) as e:
-        TextDataModule(source="tokens", path=folder, seq_len=16).setup("fit")
+        TextDataModule(source="tokens", tokens={"path": folder}, seq_len=16).setup("fit")
     line = _one_line(e)
     expected = {"truncated": "truncated", "corrupt": "corrupt", "no_meta": "is not a token folder"}[damage]
-    assert expected in line and "data.path" in line
+    assert expected in line and "data.tokens.path" in line
 
 
 def test_checksums_of_a_large_file_are_sampled_and_full_on_request(tmp_path, monkeypatch):
@@ -257,7 +259,7 @@ def test_checksums_of_a_large_file_are_sampled_and_full_on_request(tmp_path, mon
 def test_too_few_tokens_for_two_blocks(tmp_path):
     folder = small_folder(tmp_path, texts=["tiny"])
     with pytest.raises(ConfigError) as e:
-        TextDataModule(source="tokens", path=folder, seq_len=64).setup("fit")
+        TextDataModule(source="tokens", tokens={"path": folder}, seq_len=64).setup("fit")
     assert "too few" in _one_line(e) and "data.seq_len" in _one_line(e)
 
 
@@ -278,7 +280,7 @@ prepare.prepare(ds, ByteTokenizer(), {str(out)!r}, {{"key": "k"}}, seed=0, progr
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith("tf.partial-")]
     with pytest.raises(ConfigError, match="does not exist"):
-        TextDataModule(source="tokens", path=str(out))
+        TextDataModule(source="tokens", tokens={"path": str(out)})
     folder = small_folder(tmp_path)  # the next prepare redoes it and clears the dead writer's leftovers
     assert open_folder(folder)[1]["documents"] == len([t for t in TEXTS if t])
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tf.partial-")]
@@ -293,7 +295,7 @@ def test_cli_refuses_a_path_that_is_not_a_token_folder(tmp_path, capsys):
             [
                 "fit",
                 "--data.source=tokens",
-                f"--data.path={tmp_path / 'empty'}",
+                f"--data.tokens.path={tmp_path / 'empty'}",
                 "--trainer.accelerator=cpu",
                 "--trainer.logger=false",
                 f"--checkpoint.dirpath={tmp_path}/ckpt",
@@ -301,7 +303,7 @@ def test_cli_refuses_a_path_that_is_not_a_token_folder(tmp_path, capsys):
         )
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("aah: error: data.path=") and "is not a token folder" in err[-1]
+    assert err[-1].startswith("aah: error: data.tokens.path=") and "is not a token folder" in err[-1]
 
 
 # -- sharding and resume on a token folder -----------------------------------------------------------------------------
@@ -311,7 +313,7 @@ def test_ranks_read_disjoint_shards_of_a_token_folder(tmp_path):
     folder = small_folder(tmp_path, texts=TEXTS * 3)
     seen = []
     for rank in range(2):
-        dm = TextDataModule(source="tokens", path=folder, seq_len=16, batch_size=2)
+        dm = TextDataModule(source="tokens", tokens={"path": folder}, seq_len=16, batch_size=2)
         dm.trainer = SimpleNamespace(
             global_rank=rank, world_size=2, max_steps=-1, global_step=0, accumulate_grad_batches=1, current_epoch=0
         )
@@ -329,7 +331,7 @@ def test_resume_from_a_token_folder_is_exact(tmp_path, tiny_args):
     from helpers.resume import check_resumed, interrupted_then_resumed, run_args
 
     folder = small_folder(tmp_path, texts=TEXTS * 4)
-    extra = ["--data.source=tokens", f"--data.path={folder}", "--data.seq_len=32"]
+    extra = ["--data.source=tokens", f"--data.tokens.path={folder}", "--data.seq_len=32"]
     main(run_args(tiny_args, tmp_path / "whole", *extra))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

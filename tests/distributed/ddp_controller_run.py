@@ -34,7 +34,7 @@ MECHANISMS = {"mass": {}, "reach_gain": {"signal": "gain", "explorers": 1, "form
 def main(out_dir: str, mechanism: str = "mass") -> None:
     L.seed_everything(0)
     T = 64
-    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic_documents=200, seed=0)
+    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic={"documents": 200}, seed=0)
     controller = ControllerConfig(
         warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2, **MECHANISMS[mechanism]
     )

@@ -130,7 +130,7 @@ def _cpu_config(folder) -> str:
             },
             "aah": {"policy": "random", "candidates": [8, 16, 32], "random": {"redraw_interval": 2}},
         },
-        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 64},
+        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic": {"documents": 64}},
     }
     path = os.path.join(folder, "cpu.yaml")
     with open(path, "w") as f:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.heavy
 
 def test_ddp_resume_from_a_token_folder_is_exact(tmp_path):
     folder = small_folder(tmp_path, texts=TEXTS * 6)
-    data = ["--data.source=tokens", f"--data.path={folder}", "--data.seq_len=32", "--data.tokenizer=byte"]
+    data = ["--data.source=tokens", f"--data.tokens.path={folder}", "--data.seq_len=32", "--data.tokenizer=byte"]
     (tmp_path / "whole").mkdir()
     fit(tmp_path / "whole", DDP, *data)
     whole = [read_run(tmp_path / "whole" / "rec", r) for r in (0, 1)]

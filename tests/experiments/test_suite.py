@@ -47,7 +47,7 @@ data:
   source: synthetic
   seq_len: 32
   batch_size: 4
-  synthetic_documents: 64
+  synthetic: {documents: 64}
 """
 ROWS = {
     "baseline": "model:\n  aah:\n    policy: full\n",

@@ -124,7 +124,7 @@ def fitted_checkpoint(tmp_path_factory):
             "--model.aah.policy=random",
             "--model.aah.candidates=[8, 16, 32, 64]",
             "--data.source=files",
-            f"--data.paths=[{corpus}]",
+            f"--data.files.paths=[{corpus}]",
             "--data.seq_len=64",
             "--data.batch_size=4",
             "--sample.enabled=false",

@@ -243,7 +243,7 @@ def retrofitted(tmp_path_factory):
             "--trainer.logger=false",
             f"--checkpoint.dirpath={root}/ckpt",
             "--data.source=files",
-            f"--data.paths=[{corpus}]",
+            f"--data.files.paths=[{corpus}]",
             f"--data.seq_len={T}",
             "--data.batch_size=2",
             "--data.global_batch_size=null",

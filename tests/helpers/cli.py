@@ -41,7 +41,7 @@ def tiny_cli_args(tmp_path, *extra, steps=6, source="synthetic", seq_len=32, sub
         f"--data.source={source}",
         f"--data.seq_len={seq_len}",
         "--data.batch_size=4",
-        "--data.synthetic_documents=64",
+        "--data.synthetic.documents=64",
         *extra,
     ]
 
@@ -69,7 +69,7 @@ def tiny_config(tmp_path, **sections) -> str:
             "aah": {"policy": "random", "candidates": [8, 16, 32], "seed": 0},
             "optim": {"lr": 1e-3, "warmup_steps": 2},
         },
-        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic_documents": 100},
+        "data": {"source": "synthetic", "seq_len": 32, "batch_size": 4, "synthetic": {"documents": 100}},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

@@ -43,7 +43,7 @@ def cpu_config(folder) -> str:
             "source": "synthetic",
             "seq_len": 32,
             "batch_size": 4,
-            "synthetic_documents": 64,
+            "synthetic": {"documents": 64},
             "test_fraction": 0.0,
             "val_fraction": 0.05,
         },

@@ -28,7 +28,7 @@ class PoisonRank1(L.Callback):
 
 def main(out_dir: str) -> None:
     L.seed_everything(0)
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=data.vocab_size))
     trainer = L.Trainer(
         accelerator="cpu",

@@ -232,7 +232,7 @@ def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
         aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65), aah=aah)
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=3,
@@ -360,7 +360,7 @@ def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, mon
             seen.append((json.loads(lock.read_text())["pid"], time.time() - os.path.getmtime(lock)))
 
     model = AAHModule(gpt=GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65))
-    data = TextDataModule(source="synthetic", seq_len=16, batch_size=2, synthetic_documents=50)
+    data = TextDataModule(source="synthetic", seq_len=16, batch_size=2, synthetic={"documents": 50})
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=2,

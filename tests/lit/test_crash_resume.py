@@ -74,7 +74,7 @@ def test_sigkill_then_resume_from_last(tmp_path):
     assert not [n for n in os.listdir(ckpts) if n.startswith(PARTIAL_PREFIX)]  # a killed writer's leftover is gone
 
     # The resumed run continues the seeded data order where the killed one stopped.
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     data.setup("fit")
     order = list(EndlessSampler(len(data.train_set), seed=1234, length=(step + 3) * 4))
     assert [s for s, _ in Recorder.seen] == [step, step + 1, step + 2]

@@ -243,7 +243,7 @@ def test_a_policy_without_groups_reports_none():
 
 
 def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
-    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
+    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic={"documents": 32})
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig("static", static={"table": GROUPED_TABLE}),
@@ -286,7 +286,7 @@ def test_group_counts_and_hierarchy_text_reach_tensorboard(tmp_path):
 
 def test_window_map_refresh_is_rate_limited_but_never_lost(tmp_path):
     """A table that changes every step is drawn at most once per visuals_min_interval, and its last state is drawn."""
-    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic_documents=32)
+    dm = TextDataModule(source="synthetic", seq_len=T, batch_size=2, synthetic={"documents": 32})
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig("random", candidates=[4, 8, 16, 32], random={"redraw_interval": 1}),

@@ -44,7 +44,7 @@ def test_validation_logs_position_losses_of_a_manual_pass(tmp_path):
         gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=128, vocab_size=65, backend="sdpa"),
         aah=AAHConfig(policy="fixed", fixed={"window": 16}),
     )
-    data = TextDataModule(source="synthetic", seq_len=128, batch_size=4, synthetic_documents=64)
+    data = TextDataModule(source="synthetic", seq_len=128, batch_size=4, synthetic={"documents": 64})
     trainer = L.Trainer(
         accelerator="cpu",
         limit_val_batches=2,

@@ -39,7 +39,7 @@ def fit_args(tmp_path, *logger) -> list[str]:
         "--model.aah.policy=random",
         "--model.aah.candidates=[8, 16, 32]",
         "--data.source=files",
-        f"--data.paths=[{corpus}]",
+        f"--data.files.paths=[{corpus}]",
         "--data.seq_len=32",
         "--data.batch_size=4",
         "--diagnostics.every_n_steps=2",

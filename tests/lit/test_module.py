@@ -70,7 +70,7 @@ class LossesSeen(AAHModule):
 
 def test_train_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
     model = LossesSeen(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65))
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     logger = Recorded()
     trainer = L.Trainer(
         accelerator="cpu",

@@ -37,7 +37,7 @@ class PoisonAt(L.Callback):
 
 def tiny_run(tmp_path, max_steps: int, callbacks: list, every_n_train_steps: int = 2):
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65))
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=100)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     last = LastCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=every_n_train_steps)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -28,7 +28,7 @@ def text_config(tmp_path):
     def make(**data):
         return tiny_config(
             tmp_path,
-            data={"source": "files", "paths": [str(corpus)], "synthetic_documents": 100, "batch_size": 2, **data},
+            data={"source": "files", "files": {"paths": [str(corpus)]}, "batch_size": 2, **data},
         )
 
     return make

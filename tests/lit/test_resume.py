@@ -62,7 +62,7 @@ def _fake_hub(monkeypatch, n_shards=3):
 
 def test_streamed_resume_is_exact(tmp_path, tiny_args, monkeypatch):
     _fake_hub(monkeypatch)
-    extra = ["--data.source=hub", "--data.hub_name=local/fake", "--data.val_blocks=3", "--data.test_blocks=2"]
+    extra = ["--data.source=hub", "--data.hub.name=local/fake", "--data.val_blocks=3", "--data.test_blocks=2"]
     main(run_args(tiny_args, tmp_path / "whole", *extra))
     saved = interrupted_then_resumed(tiny_args, tmp_path / "parts", *extra)
     check_resumed(tmp_path)
@@ -97,7 +97,7 @@ def test_a_resume_keeps_the_global_batch_and_refuses_another_in_one_line(tmp_pat
     # Step 2 holds global positions 16-23 in four micro-batches of 2, optimizer steps falling every fourth.
     rows = read_run(tmp_path / "a" / "rec")
     assert [len(r["index"]) for r in rows] == [4] * 4 + [2] * 4 and [r["step"] for r in rows[4:]] == [2, 2, 2, 3]
-    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic_documents=64)
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 64})
     data.setup("fit")
     order = EndlessSampler(len(data.train_set), seed=1234, length=24).permutation(0).tolist()
     assert [i for r in rows for i in r["index"]] == order[:24]

@@ -80,7 +80,7 @@ def test_a_fixed_model_gets_a_fixed_table_after_the_second_decision(budget):
     # A real model, briefly trained on the synthetic copy task and then frozen; each decision probes another batch.
     torch.manual_seed(0)
     seq = 32
-    dm = TextDataModule(source="synthetic", seq_len=seq, batch_size=16, synthetic_documents=2000, seed=0)
+    dm = TextDataModule(source="synthetic", seq_len=seq, batch_size=16, synthetic={"documents": 2000}, seed=0)
     dm.setup("fit")
     model = GPT(GPTConfig(vocab_size=dm.vocab_size, seq_len=seq, n_layer=2, n_head=4, n_embd=64, backend="sdpa"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(scope):
     L.seed_everything(0)
     # No test blocks: the training order these thresholds were set on (a test split shifts the permutation).
     dm = TextDataModule(
-        source="synthetic", seq_len=T, batch_size=16, synthetic_documents=20000, seed=0, test_fraction=0.0
+        source="synthetic", seq_len=T, batch_size=16, synthetic={"documents": 20000}, seed=0, test_fraction=0.0
     )
     controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35, budget_scope=scope)
     module = AAHModule(

@@ -10,7 +10,7 @@ registered by name (``@register_source``); ``data.source`` picks it. What a sour
   ``resume``; ``DataPosition`` keeps the positions); False for map-style training blocks, which ``DataPosition``
   orders and shards (their length is the number of training blocks).
 - ``test_setting``: the setting that holds out its test blocks (named when it holds out none).
-- ``mixable``: recall blocks may be mixed into its splits (``data.recall_fraction``).
+- ``mixable``: recall blocks may be mixed into its splits (``data.recall.fraction``).
 - ``check()``: refuse bad settings of this source in one line naming the setting; called when the data module is
   built, before any model or data.
 - ``vocabulary(tokenizer)``: ``(vocab_size, eos_id)``.
@@ -101,7 +101,7 @@ def split_stream(stream, seq_len: int, val_fraction: float, test_fraction: float
     block = seq_len + 1
     n_blocks = len(stream) // block
     if len(stream) == 0:
-        raise ConfigError(f"{what} gave an empty corpus (no tokens): check data.paths")
+        raise ConfigError(f"{what} gave an empty corpus (no tokens): check data.files.paths")
     n_val = max(world, int(round(n_blocks * val_fraction)))
     n_test = max(world, int(round(n_blocks * test_fraction))) if test_fraction > 0 else 0
     if n_blocks < n_val + n_test + world:

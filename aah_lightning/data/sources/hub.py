@@ -15,14 +15,14 @@ class HubSource(DataSource):
     test_setting = "data.test_blocks"
 
     def check(self) -> None:
-        name = self.settings.hub_name
-        require(bool(name), "data.hub_name", name, "a dataset name when data.source='hub'")
+        name = self.settings.hub.name
+        require(bool(name), "data.hub.name", name, "a dataset name when data.source='hub'")
 
     def splits(self, tokenizer, rank: int, world: int, endless: bool) -> Splits:
-        hp = self.settings
-        ds = corpora.hub_corpus(hp.hub_name, hp.hub_config, hp.hub_split, hp.text_field)
-        if hp.text_field != "text":
-            ds = ds.rename_column(hp.text_field, "text")
+        hp, hub = self.settings, self.settings.hub
+        ds = corpora.hub_corpus(hub.name, hub.config, hub.split, hub.text_field)
+        if hub.text_field != "text":
+            ds = ds.rename_column(hub.text_field, "text")
         initial = ds.state_dict()  # taken before any reading: afterwards it reports where reading stopped
         val, test, exclude = held_out_head(ds, tokenizer, hp.seq_len, hp.val_blocks, hp.test_blocks)
         if world > 1:

@@ -1,5 +1,5 @@
 """``recall``: the associative-recall (or copy) task, generated block by block (``data/recall.py``); and the recall
-mix, recall blocks composed into the splits of a text source (``data.recall_fraction``)."""
+mix, recall blocks composed into the splits of a text source (``data.recall.fraction``)."""
 
 from __future__ import annotations
 
@@ -18,27 +18,22 @@ class RecallSource(DataSource):
 
     def check(self) -> None:
         """The recall settings; checked for source=recall and for a text source with recall blocks mixed in."""
-        hp = self.settings
-        require(hp.recall_gaps in GAPS, "data.recall_gaps", hp.recall_gaps, f"one of {', '.join(GAPS)}")
+        hp, rc = self.settings, self.settings.recall
+        require(rc.gaps in GAPS, "data.recall.gaps", rc.gaps, f"one of {', '.join(GAPS)}")
+        require(isinstance(rc.values, int) and rc.values >= 2, "data.recall.values", rc.values, ">= 2")
+        require(isinstance(rc.blocks, int) and rc.blocks >= 1, "data.recall.blocks", rc.blocks, ">= 1")
+        require(rc.task in TASKS, "data.recall.task", rc.task, f"one of {', '.join(TASKS)}")
         require(
-            isinstance(hp.recall_values, int) and hp.recall_values >= 2, "data.recall_values", hp.recall_values, ">= 2"
-        )
-        require(
-            isinstance(hp.recall_blocks, int) and hp.recall_blocks >= 1, "data.recall_blocks", hp.recall_blocks, ">= 1"
-        )
-        require(hp.recall_task in TASKS, "data.recall_task", hp.recall_task, f"one of {', '.join(TASKS)}")
-        require(
-            hp.recall_copy_distance is None
-            or (isinstance(hp.recall_copy_distance, int) and 0 < hp.recall_copy_distance < hp.seq_len),
-            "data.recall_copy_distance",
-            hp.recall_copy_distance,
+            rc.copy_distance is None or (isinstance(rc.copy_distance, int) and 0 < rc.copy_distance < hp.seq_len),
+            "data.recall.copy_distance",
+            rc.copy_distance,
             f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={hp.seq_len})",
         )
         slots = -(-(hp.seq_len + 1) // 3)
         require(
-            isinstance(hp.recall_keys, int) and hp.recall_keys >= 2,
-            "data.recall_keys",
-            hp.recall_keys,
+            isinstance(rc.keys, int) and rc.keys >= 2,
+            "data.recall.keys",
+            rc.keys,
             f">= 2 (a sequence of data.seq_len={hp.seq_len} has {slots} slots; fewer keys than slots make keys come "
             f"back early)",
         )
@@ -46,30 +41,30 @@ class RecallSource(DataSource):
     @property
     def ids(self) -> int:
         """Token ids the task uses: its keys and values."""
-        return self.settings.recall_keys + self.settings.recall_values
+        return self.settings.recall.keys + self.settings.recall.values
 
     def vocabulary(self, tokenizer) -> tuple[int, int]:
         return self.ids + 1, self.ids  # keys, values, and an end-of-document id after them
 
     def blocks(self, count: int, split: str, offset: int = 0) -> RecallBlocks:
-        hp = self.settings
+        hp, rc = self.settings, self.settings.recall
         return RecallBlocks(
             hp.seq_len,
             count,
-            hp.recall_keys,
-            hp.recall_values,
-            hp.recall_gaps,
+            rc.keys,
+            rc.values,
+            rc.gaps,
             hp.seed,
             split,
             offset=offset,
-            task=hp.recall_task,
-            copy_distance=hp.recall_copy_distance or hp.seq_len * 5 // 8,
+            task=rc.task,
+            copy_distance=rc.copy_distance or hp.seq_len * 5 // 8,
         )
 
     def splits(self, tokenizer, rank: int, world: int, endless: bool) -> Splits:
         hp = self.settings
         return Splits(
-            train=self.blocks(hp.recall_blocks, "train"),
+            train=self.blocks(hp.recall.blocks, "train"),
             val=self.blocks(max(world, hp.val_blocks), "val"),
             test=self.blocks(max(world, hp.test_blocks) if hp.test_blocks > 0 else 0, "test"),
         )

@@ -14,12 +14,12 @@ class SyntheticSource(TokenStreamSource):
     has_tokens = False
 
     def vocabulary(self, tokenizer) -> tuple[int, int]:
-        vocab = self.settings.synthetic_vocab
+        vocab = self.settings.synthetic.vocab
         return vocab + 1, vocab  # the symbols, and the end-of-document id after them
 
     def stream(self, tokenizer):
-        hp = self.settings
-        distance = hp.synthetic_distance or hp.seq_len // 2
-        require(0 < distance < hp.seq_len, "data.synthetic_distance", distance, f"in [1, seq_len={hp.seq_len})")
-        docs = synthetic_documents(hp.synthetic_documents, hp.seq_len, distance, hp.synthetic_vocab, seed=hp.seed)
-        return TokenStream.from_documents(docs, hp.synthetic_vocab)
+        hp, syn = self.settings, self.settings.synthetic
+        distance = syn.distance or hp.seq_len // 2
+        require(0 < distance < hp.seq_len, "data.synthetic.distance", distance, f"in [1, seq_len={hp.seq_len})")
+        docs = synthetic_documents(syn.documents, hp.seq_len, distance, syn.vocab, seed=hp.seed)
+        return TokenStream.from_documents(docs, syn.vocab)

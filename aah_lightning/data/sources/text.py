@@ -24,7 +24,7 @@ class CachedTextSource(TokenStreamSource):
     def description(self) -> dict:
         if self._description is None:  # once: it reads every file's size and time
             hp = self.settings
-            self._description = prepare.describe_source(hp.source, hp.paths, hp.text_field)
+            self._description = prepare.describe_source(hp.source, hp.files.paths, hp.files.text_field)
         return self._description
 
     def folder(self, tokenizer) -> str:
@@ -70,4 +70,4 @@ class FilesSource(CachedTextSource):
     name = "files"
 
     def check(self) -> None:
-        corpora.expand_paths(self.settings.paths or [])  # fail now, not after the model is built
+        corpora.expand_paths(self.settings.files.paths or [])  # fail now, not after the model is built

@@ -13,13 +13,15 @@ class TokenFolderSource(TokenStreamSource):
     mixable = True
 
     def check(self) -> None:
-        path = self.settings.path
-        require(bool(path), "data.path", path, "a token folder (written by aah-prepare) when data.source='tokens'")
+        path = self.settings.tokens.path
+        require(
+            bool(path), "data.tokens.path", path, "a token folder (written by aah-prepare) when data.source='tokens'"
+        )
 
     def check_tokenizer(self, tokenizer, meta: dict | None = None) -> None:
         """A folder of another tokenizer or vocabulary would train the model on ids that mean something else."""
-        hp = self.settings
-        meta = meta or read_meta(hp.path, "data.path")
+        hp, path = self.settings, self.settings.tokens.path
+        meta = meta or read_meta(path, "data.tokens.path")
         theirs = (meta["tokenizer"]["name"], meta["tokenizer"]["fingerprint"], meta["vocab_size"], meta["eos_id"])
         if theirs != (tokenizer.name, tokenizer.fingerprint, tokenizer.vocab_size, tokenizer.eos_id):
             other = (
@@ -28,16 +30,16 @@ class TokenFolderSource(TokenStreamSource):
                 else ""
             )
             raise ConfigError(
-                f"data.path={hp.path!r} holds tokens of tokenizer {theirs[0]!r} (vocabulary {theirs[2]}, "
+                f"data.tokens.path={path!r} holds tokens of tokenizer {theirs[0]!r} (vocabulary {theirs[2]}, "
                 f"end-of-document {theirs[3]}), but data.tokenizer={hp.tokenizer!r}{other} has vocabulary "
                 f"{tokenizer.vocab_size}, end-of-document {tokenizer.eos_id}: set data.tokenizer to the folder's "
                 f"tokenizer, or prepare the folder with this one"
             )
 
     def describe(self) -> str:
-        return f"data.path={self.settings.path!r}"
+        return f"data.tokens.path={self.settings.tokens.path!r}"
 
     def stream(self, tokenizer):
-        stream, meta = open_folder(self.settings.path, "data.path")
+        stream, meta = open_folder(self.settings.tokens.path, "data.tokens.path")
         self.check_tokenizer(tokenizer, meta)
         return stream

@@ -1,0 +1,215 @@
+"""Settings of the data (the ``data`` block of a config): what every source shares, and one block per source.
+
+``DataConfig`` is what the data module hands whole to its source (``data/sources/base.py``) and to the data position.
+The shared settings (``source``, ``seq_len``, batch sizes, the held-out shares, the tokenizer, the seed) sit at the top
+of ``data``; what only one source reads sits in that source's block: ``data.files``, ``data.tokens``, ``data.hub``,
+``data.synthetic``, ``data.recall`` (also read when ``data.recall.fraction`` mixes recall blocks into a text source),
+and ``data.plugin``, a free mapping for a source registered outside the package.
+
+The flat keys of earlier versions (``data.recall_keys``, ``data.paths``, ...) still work, each with one deprecation line
+naming the key that replaces it (``FLAT_DATA_SETTINGS``); checkpoints that saved them are read nested
+(``nest_data_settings``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Optional
+
+from aah_lightning.errors import ConfigError
+
+
+@dataclass
+class FilesConfig:
+    """Settings of ``data.source: files`` (``data.files``).
+
+    Attributes:
+        paths: files or glob patterns (.txt, .jsonl/.json, .parquet).
+        text_field: the text column of json/parquet files.
+    """
+
+    paths: Optional[list[str]] = None
+    text_field: str = "text"
+
+
+@dataclass
+class TokensConfig:
+    """Settings of ``data.source: tokens`` (``data.tokens``).
+
+    Attributes:
+        path: the token folder (written by aah-prepare).
+    """
+
+    path: Optional[str] = None
+
+
+@dataclass
+class HubConfig:
+    """Settings of ``data.source: hub``, a streamed Hugging Face dataset (``data.hub``).
+
+    Attributes:
+        name: the dataset's name on the hub.
+        config: its configuration (subset), if it has several.
+        split: the split to read.
+        text_field: the text column.
+    """
+
+    name: Optional[str] = None
+    config: Optional[str] = None
+    split: str = "train"
+    text_field: str = "text"
+
+
+@dataclass
+class SyntheticConfig:
+    """Settings of ``data.source: synthetic``, copies at one distance (``data.synthetic``).
+
+    Attributes:
+        documents: number of documents.
+        vocab: symbols of the synthetic language.
+        distance: the long-range copy distance; default seq_len // 2.
+    """
+
+    documents: int = 2000
+    vocab: int = 64
+    distance: Optional[int] = None
+
+
+@dataclass
+class RecallConfig:
+    """Settings of the recall task (``data.recall``): ``data.source: recall``, or recall blocks mixed into a text source.
+
+    Attributes:
+        keys: keys of the task (at least the slots of a sequence would need: a key is bound once per sequence).
+        values: values of the task (chance accuracy is 1 / values).
+        gaps: how far a key comes back, in 3-token slots: mix (half log-uniform, half uniform over the sequence),
+            uniform or loguniform.
+        blocks: training sequences of source=recall (generated on demand: none is stored); validation and test use
+            data.val_blocks / data.test_blocks sequences of their own.
+        fraction: with a text source (stdlib, files, tokens): this share of the training, validation and test blocks
+            are recall sequences, with ids above the tokenizer's (0 = none).
+        task: mqar (multi-query associative recall) or copy (every token after the first copy_distance repeats the
+            one that far back; data/recall.py).
+        copy_distance: the copy task's distance; default 5/8 of seq_len (160 at T = 256: only a window wider than
+            T/2 reaches it).
+    """
+
+    keys: int = 32
+    values: int = 16
+    gaps: Literal["mix", "uniform", "loguniform"] = "mix"
+    blocks: int = 1_000_000
+    fraction: float = 0.0
+    task: Literal["mqar", "copy"] = "mqar"
+    copy_distance: Optional[int] = None
+
+
+BLOCKS = {
+    "files": FilesConfig,
+    "tokens": TokensConfig,
+    "hub": HubConfig,
+    "synthetic": SyntheticConfig,
+    "recall": RecallConfig,
+}
+
+# Each flat key of earlier versions -> the (block, key) settings it now sets.
+FLAT_DATA_SETTINGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "paths": (("files", "paths"),),
+    "text_field": (("files", "text_field"), ("hub", "text_field")),
+    "path": (("tokens", "path"),),
+    "hub_name": (("hub", "name"),),
+    "hub_config": (("hub", "config"),),
+    "hub_split": (("hub", "split"),),
+    "synthetic_documents": (("synthetic", "documents"),),
+    "synthetic_vocab": (("synthetic", "vocab"),),
+    "synthetic_distance": (("synthetic", "distance"),),
+    **{f"recall_{key}": (("recall", key),) for key in ("keys", "values", "gaps", "blocks", "fraction", "task")},
+    "recall_copy_distance": (("recall", "copy_distance"),),
+}
+
+
+@dataclass
+class DataConfig:
+    """Every ``data.*`` setting; the arguments of ``TextDataModule`` (lit/datamodule.py) say what each one means."""
+
+    source: str = "stdlib"
+    seq_len: int = 256
+    batch_size: int = 16
+    global_batch_size: Optional[int] = None
+    tokenizer: str = "byte"
+    val_fraction: float = 0.02
+    test_fraction: float = 0.01
+    val_blocks: int = 64
+    test_blocks: int = 64
+    max_documents: Optional[int] = None
+    num_workers: int = 0
+    num_proc: Optional[int] = None
+    seed: int = 1234
+    cache_dir: Optional[str] = None
+    prompts: Optional[str] = None
+    files: FilesConfig = field(default_factory=FilesConfig)
+    tokens: TokensConfig = field(default_factory=TokensConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
+    plugin: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, cls in BLOCKS.items():
+            block = getattr(self, name)
+            if block is None:
+                setattr(self, name, cls())
+            elif isinstance(block, Mapping):  # a plain dict: a checkpoint's hyperparameters, or Python callers
+                setattr(self, name, block_from_dict(name, block))
+        if self.plugin is None:
+            self.plugin = {}
+
+    @classmethod
+    def from_arguments(cls, flat: Mapping[str, Any], **settings) -> DataConfig:
+        """The settings, with the deprecated flat keys of ``flat`` (those not None) moved into their blocks: one
+        deprecation line for each, and a ConfigError where a flat key and its nested key are both set."""
+        config = cls(**settings)
+        for key, value in flat.items():
+            if value is None:
+                continue
+            targets = FLAT_DATA_SETTINGS[key]
+            new = " and ".join(f"data.{block}.{name}" for block, name in targets)
+            warnings.warn(f"data.{key} is deprecated: write {new}", FutureWarning, stacklevel=4)
+            for block, name in targets:
+                settings_block = getattr(config, block)
+                nested, default = getattr(settings_block, name), getattr(BLOCKS[block](), name)
+                if nested != default and nested != value:
+                    raise ConfigError(
+                        f"data.{key}={value!r} and data.{block}.{name}={nested!r} are both set: give only "
+                        f"data.{block}.{name}"
+                    )
+                setattr(settings_block, name, value)
+        return config
+
+    def settings(self) -> dict:
+        """The settings as plain dicts (what a checkpoint saves: it loads with ``torch.load(weights_only=True)``)."""
+        return asdict(self)
+
+
+def block_from_dict(name: str, values: Mapping[str, Any]):
+    """A source's block from a mapping, refusing a key the block does not have in one line."""
+    cls = BLOCKS[name]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"data.{name}.{unknown[0]} is not a setting: data.{name} takes {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def nest_data_settings(saved: Mapping[str, Any]) -> dict:
+    """Data settings of any layout (a checkpoint's, a config's ``data`` block) with the flat keys of earlier
+    versions moved into their blocks, silently (the layout was right when it was written)."""
+    data = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in saved.items()}
+    for key, targets in FLAT_DATA_SETTINGS.items():
+        if key not in data:
+            continue
+        value = data.pop(key)
+        for block, name in targets if value is not None else ():
+            data[block] = {**(data.get(block) or {}), name: value}
+    return data
