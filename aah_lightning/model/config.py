@@ -42,7 +42,7 @@ class GPTConfig:
         rope_low_freq_factor: llama3: wavelengths above rope_original_seq_len / this are divided by rope_factor.
         rope_high_freq_factor: llama3: wavelengths below rope_original_seq_len / this are kept.
         rope_original_seq_len: llama3: the context the model was first trained at.
-        backend: attention backend: auto (flex on CUDA; banded or dense-mask SDPA on CPU) or a registered one
+        backend: attention backend: auto (flex_tuned on CUDA; banded for T >= 256, else SDPA, on CPU) or a registered one
             (flex, flex_tuned, flex_fa4, fa4_window, split, varlen, banded, sdpa; docs/architecture.md).
         block_size: FlexAttention BlockMask tile size.
         document_mask: queries attend only within their own document.
