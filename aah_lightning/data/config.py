@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional
 
-from aah_lightning.errors import ConfigError
+from aah_lightning.errors import ConfigError, require
 
 
 @dataclass
@@ -186,6 +186,46 @@ class DataConfig:
                     )
                 setattr(settings_block, name, value)
         return config
+
+    def validate(self) -> None:
+        """The settings every source shares, each refused in one line naming it (a source checks its own block)."""
+        require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len, "a positive integer")
+        require(
+            isinstance(self.batch_size, int) and self.batch_size > 0,
+            "data.batch_size",
+            self.batch_size,
+            "a positive integer",
+        )
+        gbs = self.global_batch_size
+        require(
+            gbs is None or (isinstance(gbs, int) and gbs > 0),
+            "data.global_batch_size",
+            gbs,
+            "a positive integer (a multiple of data.batch_size x world size), or null",
+        )
+        val, test = self.val_fraction, self.test_fraction
+        require(0.0 < val < 1.0, "data.val_fraction", val, "a number in (0, 1)")
+        require(
+            0.0 <= test < 1.0 - val, "data.test_fraction", test, f"a number in [0, 1 - data.val_fraction={1 - val:g})"
+        )
+        require(
+            isinstance(self.val_blocks, int) and self.val_blocks >= 1,
+            "data.val_blocks",
+            self.val_blocks,
+            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
+        )
+        require(
+            isinstance(self.test_blocks, int) and self.test_blocks >= 0,
+            "data.test_blocks",
+            self.test_blocks,
+            ">= 0",
+        )
+        require(
+            self.num_proc is None or self.num_proc >= 1,
+            "data.num_proc",
+            self.num_proc,
+            "a positive integer, or null",
+        )
 
     def settings(self) -> dict:
         """The settings as plain dicts (what a checkpoint saves: it loads with ``torch.load(weights_only=True)``)."""

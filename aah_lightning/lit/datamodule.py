@@ -150,7 +150,7 @@ class TextDataModule(L.LightningDataModule):
         flat = {key: arguments[key] for key in FLAT_DATA_SETTINGS}
         shared = {f.name: arguments[f.name] for f in fields(DataConfig)}
         self.config = config = DataConfig.from_arguments(flat, **shared)
-        self.check_shared(config)
+        config.validate()
         source_class = get_source(config.source)
         mixable = [name for name in source_names() if get_source(name).mixable]
         fraction = config.recall.fraction
@@ -182,49 +182,6 @@ class TextDataModule(L.LightningDataModule):
             config.global_batch_size,
             config.num_workers,
             source_class.streamed,
-        )
-
-    @staticmethod
-    def check_shared(config: DataConfig) -> None:
-        """The settings every source shares, in one line each."""
-        require(
-            isinstance(config.seq_len, int) and config.seq_len > 0, "data.seq_len", config.seq_len, "a positive integer"
-        )
-        require(
-            isinstance(config.batch_size, int) and config.batch_size > 0,
-            "data.batch_size",
-            config.batch_size,
-            "a positive integer",
-        )
-        gbs = config.global_batch_size
-        require(
-            gbs is None or (isinstance(gbs, int) and gbs > 0),
-            "data.global_batch_size",
-            gbs,
-            "a positive integer (a multiple of data.batch_size x world size), or null",
-        )
-        val, test = config.val_fraction, config.test_fraction
-        require(0.0 < val < 1.0, "data.val_fraction", val, "a number in (0, 1)")
-        require(
-            0.0 <= test < 1.0 - val, "data.test_fraction", test, f"a number in [0, 1 - data.val_fraction={1 - val:g})"
-        )
-        require(
-            isinstance(config.val_blocks, int) and config.val_blocks >= 1,
-            "data.val_blocks",
-            config.val_blocks,
-            "a positive number of held-out blocks (to train without validation, set trainer.limit_val_batches=0)",
-        )
-        require(
-            isinstance(config.test_blocks, int) and config.test_blocks >= 0,
-            "data.test_blocks",
-            config.test_blocks,
-            ">= 0",
-        )
-        require(
-            config.num_proc is None or config.num_proc >= 1,
-            "data.num_proc",
-            config.num_proc,
-            "a positive integer, or null",
         )
 
     @property

@@ -94,3 +94,15 @@ def test_aah_prepare_fills_the_cache_folder_a_run_of_the_config_reads(tmp_path, 
     printed = capsys.readouterr().out.splitlines()[0]
     dm = TextDataModule(source="files", files=files, seed=3, cache_dir=str(tmp_path / "cache"), seq_len=4)
     assert printed.startswith(dm.source.folder(load_tokenizer("byte")) + ":"), printed
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("seq_len", 0), ("batch_size", -1), ("val_fraction", 1.0), ("test_fraction", 0.99), ("val_blocks", 0)],
+)
+def test_shared_settings_are_checked_by_the_config_itself(setting, value):
+    DataConfig().validate()  # the defaults pass
+    with pytest.raises(ConfigError, match=f"data.{setting}"):
+        DataConfig(**{setting: value}).validate()
+    with pytest.raises(ConfigError, match=f"data.{setting}"):  # the data module refuses it before any source work
+        TextDataModule(source="recall", **{setting: value})
