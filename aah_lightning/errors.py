@@ -4,6 +4,8 @@ Every check of a setting raises ``ConfigError`` with a message that names the se
 allowed. The CLI turns it into a single line on stderr and a non-zero exit, before any compute is spent.
 """
 
+import warnings
+
 
 class ConfigError(ValueError):
     """A setting (config value, file, checkpoint) the run cannot use."""
@@ -13,6 +15,24 @@ def require(condition: bool, setting: str, value, allowed: str) -> None:
     """Raise ``ConfigError`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(f"{setting}={value!r} is not allowed: {allowed}")
+
+
+def move_flat_setting(prefix: str, key: str, value, targets, stacklevel: int = 2) -> None:
+    """Move the deprecated flat setting ``prefix.key`` into its blocks, with one deprecation line.
+
+    ``targets`` are ``(block name, block settings, field, the field's default)``; a block whose field was set to
+    another value as well is one ConfigError (the user gave both). Shared by ``data.*`` and ``model.aah.*``.
+    """
+    new = " and ".join(f"{prefix}.{block}.{name}" for block, _, name, _ in targets)
+    warnings.warn(f"{prefix}.{key} is deprecated: write {new}", FutureWarning, stacklevel=stacklevel + 1)
+    for block, settings, name, default in targets:
+        nested = getattr(settings, name)
+        if nested != default and nested != value:
+            raise ConfigError(
+                f"{prefix}.{key}={value!r} and {prefix}.{block}.{name}={nested!r} are both set: give only "
+                f"{prefix}.{block}.{name}"
+            )
+        setattr(settings, name, value)
 
 
 class TrainingDiverged(RuntimeError):

@@ -13,12 +13,11 @@ naming the key that replaces it (``FLAT_DATA_SETTINGS``); checkpoints that saved
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional
 
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError, move_flat_setting, require
 
 
 @dataclass
@@ -173,18 +172,11 @@ class DataConfig:
         for key, value in flat.items():
             if value is None:
                 continue
-            targets = FLAT_DATA_SETTINGS[key]
-            new = " and ".join(f"data.{block}.{name}" for block, name in targets)
-            warnings.warn(f"data.{key} is deprecated: write {new}", FutureWarning, stacklevel=4)
-            for block, name in targets:
-                settings_block = getattr(config, block)
-                nested, default = getattr(settings_block, name), getattr(BLOCKS[block](), name)
-                if nested != default and nested != value:
-                    raise ConfigError(
-                        f"data.{key}={value!r} and data.{block}.{name}={nested!r} are both set: give only "
-                        f"data.{block}.{name}"
-                    )
-                setattr(settings_block, name, value)
+            targets = [
+                (block, getattr(config, block), name, getattr(BLOCKS[block](), name))
+                for block, name in FLAT_DATA_SETTINGS[key]
+            ]
+            move_flat_setting("data", key, value, targets, stacklevel=3)
         return config
 
     def validate(self) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from aah_lightning.checkpoint import FLAT_POLICY_SETTINGS
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError, move_flat_setting, require
 from aah_lightning.windows.metrics import window_costs
 from aah_lightning.windows.policy_base import policy_class
 
@@ -364,19 +363,8 @@ class AAHConfig:
             value = getattr(self, key)
             if value is None:
                 continue
-            warnings.warn(
-                f"model.aah.{key} is deprecated: write model.aah.{blocks[0]}.{key}", FutureWarning, stacklevel=3
-            )
-            for block in blocks:
-                settings = getattr(self, block)
-                default = getattr(_BLOCKS[block](), key)
-                nested = getattr(settings, key)
-                if nested != default and nested != value:
-                    raise ConfigError(
-                        f"model.aah.{key}={value!r} and model.aah.{block}.{key}={nested!r} are both set: give only "
-                        f"model.aah.{block}.{key}"
-                    )
-                setattr(settings, key, value)
+            targets = [(block, getattr(self, block), key, getattr(_BLOCKS[block](), key)) for block in blocks]
+            move_flat_setting("model.aah", key, value, targets, stacklevel=3)
             setattr(self, key, None)
 
     def settings(self) -> dict:

@@ -106,3 +106,14 @@ def test_shared_settings_are_checked_by_the_config_itself(setting, value):
         DataConfig(**{setting: value}).validate()
     with pytest.raises(ConfigError, match=f"data.{setting}"):  # the data module refuses it before any source work
         TextDataModule(source="recall", **{setting: value})
+
+
+def test_deprecation_lines_point_at_the_callers_line():
+    from aah_lightning.windows.config import AAHConfig
+
+    with pytest.warns(FutureWarning) as data_warnings:
+        TextDataModule(source="recall", recall_keys=8)
+    with pytest.warns(FutureWarning, match="write model.aah.static.table and model.aah.random.table") as aah_warnings:
+        AAHConfig(policy="static", table=[[4]])
+    for record in (*data_warnings, *aah_warnings):
+        assert record.filename == __file__, record.filename
