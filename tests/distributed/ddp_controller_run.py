@@ -1,8 +1,8 @@
 """Two-process DDP run (gloo, CPU) of the adaptive policy; each rank saves what it decided.
 
 Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR
-[MECHANISM]`` (``mass``, the default, or ``reach_gain``: explorers and the gain signal); Lightning's ddp launcher
-starts rank 1 by running this same command again.
+[MECHANISM]`` (``mass``, the default, ``reach_gain``: explorers and the gain signal, or ``reach_gain_kept``: that
+with an even fill and kept reach); Lightning's ddp launcher starts rank 1 by running this same command again.
 """
 
 import sys
@@ -28,7 +28,12 @@ class Record(L.Callback):
         self.batches.append(int(batch["tokens"].sum()))
 
 
-MECHANISMS = {"mass": {}, "reach_gain": {"signal": "gain", "explorers": 1, "formation_steps": 6}}
+REACH_GAIN = {"signal": "gain", "explorers": 1, "formation_steps": 6}
+MECHANISMS = {
+    "mass": {},
+    "reach_gain": REACH_GAIN,
+    "reach_gain_kept": {**REACH_GAIN, "reach_heads": 1},
+}
 
 
 def main(out_dir: str, mechanism: str = "mass") -> None:

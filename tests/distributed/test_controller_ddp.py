@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mechanism", ["mass", "reach_gain"])
+@pytest.mark.parametrize("mechanism", ["mass", "reach_gain", "reach_gain_kept"])
 def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path, mechanism):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(

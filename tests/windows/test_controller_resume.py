@@ -48,9 +48,15 @@ class Record(L.Callback):
             trainer.should_stop = True
 
 
-# The paper's controller, and reach first with the gain signal (an explorer per layer until step 8; the mass
-# features still group the heads): the decision steps are the same, 2, 5, 8, 11.
-MECHANISMS = {"mass": {}, "reach_gain": {"signal": "gain", "explorers": 1, "formation_steps": 8}}
+# The paper's controller, reach first with the gain signal (an explorer per layer until step 8; the mass features
+# still group the heads), and that with an even fill and kept reach (one head holds the reach window after formation,
+# chosen by its measured gain at every decision): the decision steps are the same, 2, 5, 8, 11.
+REACH_GAIN = {"signal": "gain", "explorers": 1, "formation_steps": 8}
+MECHANISMS = {
+    "mass": {},
+    "reach_gain": REACH_GAIN,
+    "reach_gain_kept": {**REACH_GAIN, "reach_heads": 1},
+}
 
 
 def run(ckpt_path=None, stop_at=None, mechanism="mass"):
@@ -104,6 +110,8 @@ def test_resumed_run_makes_the_uninterrupted_decisions(tmp_path, mechanism):
         assert torch.equal(resumed_tables[step], straight_tables[step]), step
     # the windows really moved (the gain signal settles sooner: explorer table, then one decided table)
     assert len({str(straight_tables[s].tolist()) for s in range(STEPS)}) > (2 if mechanism == "mass" else 1)
+    if mechanism == "reach_gain_kept":  # after formation every layer (the budget unit) keeps a head at full reach
+        assert all(bool((straight_tables[s] == T).any(dim=1).all()) for s in range(8, STEPS))
     a, b = straight.policy.state_dict(), resumed.policy.state_dict()
     assert a["decisions"] == b["decisions"] == 4
     for key in a:
