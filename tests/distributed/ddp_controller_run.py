@@ -2,7 +2,7 @@
 
 Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR
 [MECHANISM]`` (``mass``, the default, ``reach_gain``: explorers and the gain signal, or ``reach_gain_kept``: that
-with an even fill and kept reach); Lightning's ddp launcher starts rank 1 by running this same command again.
+with kept reach); Lightning's ddp launcher starts rank 1 by running this same command again.
 """
 
 import sys

@@ -49,8 +49,8 @@ class Record(L.Callback):
 
 
 # The paper's controller, reach first with the gain signal (an explorer per layer until step 8; the mass features
-# still group the heads), and that with an even fill and kept reach (one head holds the reach window after formation,
-# chosen by its measured gain at every decision): the decision steps are the same, 2, 5, 8, 11.
+# still group the heads), and that with kept reach (one head holds the reach window after formation, chosen by its
+# measured gain at every decision; the knapsack fill, so that the table moves here): decisions at 2, 5, 8, 11.
 REACH_GAIN = {"signal": "gain", "explorers": 1, "formation_steps": 8}
 MECHANISMS = {
     "mass": {},
