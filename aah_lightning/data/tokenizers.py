@@ -10,6 +10,7 @@ import urllib.parse
 import numpy as np
 
 from aah_lightning.errors import ConfigError
+from aah_lightning.extras import need
 
 
 class ByteTokenizer:
@@ -39,12 +40,7 @@ class HFTokenizer:
     """A ``tokenizers.Tokenizer`` loaded from a tokenizer.json file, a folder holding one, or a hub name."""
 
     def __init__(self, spec: str, setting: str = "data.tokenizer"):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ConfigError(
-                f"{setting}={spec!r} needs the 'tokenizers' package: pip install 'aah-lightning[hf]'"
-            ) from e
+        Tokenizer = need("tokenizers", f"{setting}={spec!r}").Tokenizer
         self.name = spec
         path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
         if os.path.isdir(spec) and not os.path.isfile(path):

@@ -29,6 +29,7 @@ from aah_lightning.checkpoint import WINDOWS_STATE_KEY, build_model, data_settin
 from aah_lightning.errors import ConfigError
 from aah_lightning.export import model_card
 from aah_lightning.export.tokenizer import TokenizerExport, prepare_tokenizer
+from aah_lightning.extras import need
 from aah_lightning.model.config import GPTConfig
 
 HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
@@ -41,13 +42,8 @@ AUTO_MAP = {
 
 
 def _needs_transformers():
-    try:
-        import safetensors.torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(
-            f"aah export needs transformers and safetensors ({e.name} is missing): pip install 'aah-lightning[hf]'"
-        ) from e
+    for module in ("safetensors.torch", "transformers", "tokenizers"):
+        need(module, "aah export")
 
 
 @dataclass

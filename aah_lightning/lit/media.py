@@ -14,6 +14,8 @@ from __future__ import annotations
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch import Tensor
 
+from aah_lightning.extras import need
+
 
 class TensorBoardMedia:
     def __init__(self, logger: TensorBoardLogger):
@@ -36,7 +38,7 @@ class WandbMedia:
         self.logger = logger
 
     def histogram(self, tag: str, values: Tensor, step: int) -> None:
-        import wandb
+        wandb = need("wandb", "trainer.logger=WandbLogger")
 
         self.logger.experiment.log({tag: wandb.Histogram(values.double().numpy()), "trainer/global_step": step})
 

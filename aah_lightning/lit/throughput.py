@@ -13,6 +13,7 @@ import warnings
 from typing import Optional
 
 import lightning as L
+import rich  # noqa: F401  # RichProgressBar draws with rich: imported here so that the dependency is explicit
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_warn

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from aah_lightning.errors import ConfigError
+from aah_lightning.extras import need
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -150,7 +151,7 @@ def window_table(hf: Mapping, cfg: GPTConfig, where="config.json") -> Tensor:
 
 def read_weights(folder) -> dict[str, Tensor]:
     """Every tensor of the folder's safetensors file(s)."""
-    from safetensors.torch import load_file
+    load_file = need("safetensors.torch", "reading a Hugging Face folder's weights").load_file
 
     folder = Path(folder)
     if (folder / INDEX_FILE).is_file():
