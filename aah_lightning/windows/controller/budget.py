@@ -18,10 +18,8 @@ group never goes wider than the smallest candidate holding ``coverage_target`` o
 1.0`` spends the budget wherever mass is still gained). A parent's share of the spend never limits a child: sharing
 a parent's spend top-down gives every head of a layer the parent's window whenever one head needs a wide one.
 
-``budget_over_run: true`` (``RunSpend``): the target is the mean over the whole training run, the full-context
-warmup included. Each decision's ceiling is what the remaining steps may still spend on average, given what the run
-has paid so far, so the run's mean lands on the target even though warmup paid full price and a decision may spend a
-little less than its ceiling.
+The ceiling itself (the target, or with ``budget_over_run`` what the rest of the run may still spend) comes from
+``ceiling.py``.
 
 Deterministic CPU code (float64, exact ties to the cheaper candidate): every rank computes the same windows from the
 same rank-averaged profiles.
@@ -136,33 +134,3 @@ def _knapsack_over(layers: list[LayerInputs], measure: str, budget: float) -> li
             for child, parent in enumerate(h.parents(level - 1)):
                 chosen[layer][level][parent] = max(chosen[layer][level][parent], chosen[layer][level - 1][child])
     return chosen
-
-
-class RunSpend:
-    """Compute a run has paid so far (per-head mean cost times steps), for budgets that are a mean over the run.
-
-    ``held`` is the cost of the table in force since step ``until``; the policy records every decision."""
-
-    def __init__(self, initial_cost: float):
-        self.paid, self.until, self.held = 0.0, 0, float(initial_cost)
-
-    def paid_before(self, step: int) -> float:
-        return self.paid + self.held * (step - self.until)
-
-    def ceiling(self, target: float, step: int, total_steps: int | None, floor: float) -> float:
-        """The mean cost the steps from ``step`` to ``total_steps`` may spend so that the run's mean is ``target``
-        (between ``floor``, the cheapest table, and 1). Without a known run length: ``target`` itself."""
-        if total_steps is None or total_steps <= step:
-            return target
-        left = (target * total_steps - self.paid_before(step)) / (total_steps - step)
-        return min(1.0, max(floor, left))
-
-    def record(self, step: int, cost: float) -> None:
-        """From ``step`` on, the table in force costs ``cost``."""
-        self.paid, self.until, self.held = self.paid_before(step), step, float(cost)
-
-    def state_dict(self) -> dict:
-        return {"paid": self.paid, "until": self.until, "held": self.held}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.paid, self.until, self.held = float(state["paid"]), int(state["until"]), float(state["held"])

@@ -123,3 +123,57 @@ def random_partition(n_heads: int, n_groups: int, generator: torch.Generator) ->
 
 def singletons(n_heads: int) -> Partition:
     return [[h] for h in range(n_heads)]
+
+
+def apart(partition: Partition, heads: list[int]) -> Partition:
+    """``partition`` with each of ``heads`` in a group of its own (groups in order of first head)."""
+    out = [[h] for h in heads]
+    out += [rest for rest in ([h for h in g if h not in heads] for g in partition) if rest]
+    return canonical(out)
+
+
+class Grouper:
+    """Level 0 of every layer's hierarchy, decision after decision (``grouping``, ``threshold``, ``min_group_size``,
+    ``max_groups``, ``hysteresis``, ``random_groups``, ``reuse_groups``): it remembers each layer's last partition
+    (for hysteresis and ``reuse_groups``) and the random partitions of ``fixed_random``, drawn once per layer."""
+
+    def __init__(self, settings, n_layer: int, n_head: int, seed: int):
+        self.settings, self.n_head = settings, n_head
+        self.generator = torch.Generator().manual_seed(seed)
+        self.partitions: list[Partition | None] = [None] * n_layer  # level 0 of the last decision
+        self.random_partitions: list[Partition | None] = [None] * n_layer
+
+    def level0(self, layer: int, dist: Tensor, alone: list[int]) -> Partition:
+        """Layer ``layer``'s level-0 partition from the head distances ``dist``, with the heads of ``alone`` each in
+        a group of its own; remembered as the layer's partition."""
+        c = self.settings
+        if c.grouping == "none":
+            partition = singletons(self.n_head)
+        elif c.grouping == "fixed_random":
+            if self.random_partitions[layer] is None:
+                self.random_partitions[layer] = random_partition(self.n_head, c.random_groups, self.generator)
+            partition = self.random_partitions[layer]
+        elif c.reuse_groups and self.partitions[layer] is not None:
+            partition = self.partitions[layer]
+        else:
+            partition = cluster_heads(
+                dist, c.threshold, c.min_group_size, c.max_groups, self.partitions[layer], c.hysteresis
+            )
+        if alone:
+            partition = apart(partition, alone)
+        self.partitions[layer] = partition
+        return partition
+
+    def state_dict(self) -> dict:
+        return {
+            "partitions": [None if p is None else [list(g) for g in p] for p in self.partitions],
+            "random_partitions": [None if p is None else [list(g) for g in p] for p in self.random_partitions],
+            "partition_generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.partitions = [None if p is None else [list(map(int, g)) for g in p] for p in state["partitions"]]
+        self.random_partitions = [
+            None if p is None else [list(map(int, g)) for g in p] for p in state["random_partitions"]
+        ]
+        self.generator.set_state(state["partition_generator"])
