@@ -64,7 +64,8 @@ class ControllerConfig:
         signal: what a head's need for each candidate window is measured by (docs/controller.md, "Need signals"):
             ``mass`` (the paper's statistics: the share of its full-causal attention mass inside the window) or
             ``gain`` (counterfactual: the loss decrease of giving the head that window, measured by running the probe
-            sequences with that one head's window changed; budget only, ``allocator: reach``).
+            sequences with that one head's window changed; budget only, ``allocator: reach``), or ``module:name``
+            of a signal registered in an importable module (``signals.register_signal``).
         explorers: reach first: this many heads of every layer (heads ``0 .. explorers - 1``; at initialisation every
             head is alike) hold ``explore_window`` from step 0 until ``formation_steps``, whatever the signal says,
             so that a head that needs context can learn to use it before need is measured. 0 = off. Budget only.
@@ -191,7 +192,6 @@ class ControllerConfig:
                 getattr(self, name),
                 "only with a budget: set target_acr or target_causal_coverage",
             )
-        require(self.signal in ("mass", "gain"), key + "signal", self.signal, "mass or gain")
         require(
             isinstance(self.explorers, int) and 0 <= self.explorers <= n_head,
             key + "explorers",
@@ -221,7 +221,6 @@ class ControllerConfig:
             f"None (the widest the budget affords) or one of the candidates {candidates}",
         )
         for name, on in (
-            ("signal", self.signal == "gain"),
             ("explorers", self.explorers > 0),
             ("reach_heads", self.reach_heads > 0),
         ):

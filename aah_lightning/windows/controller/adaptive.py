@@ -29,7 +29,7 @@ from aah_lightning.windows.controller.ceiling import Budget
 from aah_lightning.windows.controller.grouping import Grouper, pairwise_distances
 from aah_lightning.windows.controller.hierarchy import build_hierarchy
 from aah_lightning.windows.controller.registry import ALLOCATORS, make_allocator
-from aah_lightning.windows.controller.signals import SIGNALS, smooth
+from aah_lightning.windows.controller.signals import signal_class, smooth
 from aah_lightning.windows.groups import GroupTree, Hierarchy
 from aah_lightning.windows.policy_base import PolicyReport, WindowPolicy, register
 from aah_lightning.windows.probe import run_probe
@@ -49,7 +49,7 @@ class AdaptivePolicy(WindowPolicy):
         self.settings = c = cfg.controller
         self.layout = features.FeatureLayout(len(self.candidates))
         self.allocator = make_allocator(c, n_layer, self.candidates, cfg.seed)
-        self.signal = SIGNALS[c.signal](c, self.candidates, seq_len)
+        self.signal = signal_class(c.signal)(c, self.candidates, seq_len)
         self.budget = Budget(c, self.candidates, seq_len, n_layer)
         self.reach_first = reach.ReachFirst(c, self.candidates, n_layer, n_head, self.budget.table_cost)
         self.grouper = Grouper(c, n_layer, n_head, cfg.seed + 1)
@@ -76,7 +76,14 @@ class AdaptivePolicy(WindowPolicy):
             c.allocator,
             f"one of {', '.join(sorted(ALLOCATORS))}",
         )
+        signal = signal_class(c.signal)  # a registered name or module:name, else one error line
         c.validate(candidates, seq_len, n_head)
+        require(  # a need that is not a mass share has no coverage target to stop at: only a budget limits reach
+            signal.capped or c.budget() is not None,
+            "model.aah.controller.signal",
+            c.signal,
+            "only with a budget (target_acr or target_causal_coverage): without one nothing limits reach",
+        )
         if c.reach_heads and c.budget() is not None:  # the kept reach must fit the target beside the narrowest rest
             costs = Budget(c, candidates, seq_len, n_layer).costs
             reach.check_kept_reach_fits(c, candidates, costs, n_head * (n_layer if c.budget_scope == "model" else 1))

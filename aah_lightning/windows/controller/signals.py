@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from aah_lightning.plugins import find_plugin
 from aah_lightning.windows.controller import features
 from aah_lightning.windows.controller.gain import run_gain_probe
 
@@ -39,6 +40,7 @@ class MassSignal:
     capped = True
 
     def __init__(self, settings, candidates: list[int], seq_len: int):
+        self.settings, self.candidates, self.seq_len = settings, candidates, seq_len
         self.layout = features.FeatureLayout(len(candidates))
 
     def measure(self, probe, model, tokens, targets, doc_ids, loss_mask) -> Tensor:
@@ -61,9 +63,10 @@ class GainSignal(MassSignal):
     """``gain``: the loss decrease of giving one head a window, measured by running the probe sequences with that one
     head's window changed (``gain.py``); smoothed with the features' ``ema_alpha``, its variance with it."""
 
+    capped = False  # a loss decrease, not a mass share: the budget alone limits reach
+
     def __init__(self, settings, candidates: list[int], seq_len: int):
         super().__init__(settings, candidates, seq_len)
-        self.settings, self.candidates = settings, candidates
         self.gain_ema: Tensor | None = None
         self.gain_se2_ema: Tensor | None = None
 
@@ -129,5 +132,24 @@ def profile_noise(x: Tensor, layout: features.FeatureLayout) -> Tensor:
     return x[..., layout.profile_se2].clamp_min(0).sqrt()
 
 
-# The signals by name; a new one is a class with the contract above and one line here.
-SIGNALS: dict[str, type[MassSignal]] = {"mass": MassSignal, "gain": GainSignal}
+# The signals by name. A new one is a module with a class of the contract above and one registry line,
+# ``@register_signal("name")`` (docs/controller.md, "Adding a mechanism").
+SIGNALS: dict[str, type] = {"mass": MassSignal, "gain": GainSignal}
+
+
+def register_signal(name: str):
+    """Class decorator: make a need signal selectable as ``model.aah.controller.signal: name`` (or
+    ``module:name`` for one in a module outside the package)."""
+
+    def add(cls):
+        if name in SIGNALS and SIGNALS[name] is not cls:
+            raise ValueError(f"two need signals are registered as {name!r}: {SIGNALS[name]} and {cls}")
+        SIGNALS[name] = cls
+        return cls
+
+    return add
+
+
+def signal_class(name: str) -> type:
+    """The signal ``model.aah.controller.signal`` names: a registered name, or ``module:name``."""
+    return find_plugin(SIGNALS, name, "model.aah.controller.signal", "need signal")
