@@ -19,7 +19,7 @@ this table in code, ``keys_table()`` prints it; docs/architecture.md, "Checkpoin
 | `datamodule_hparams_name` | `DATAMODULE_HPARAMS_NAME_KEY` | Lightning | as `hparams_name`, for the data module |
 | `datamodule_hyper_parameters` | `DATAMODULE_HYPER_PARAMETERS_KEY` | Lightning: `TextDataModule.save_hyperparameters` | the `data.*` settings (`source`, `tokenizer`, ..., each source's block; `data_settings` nests the flat layout of earlier versions): the tokenizer of `load_model` and of the export |
 | `TextDataModule` | `DATAMODULE_STATE_KEY` | Lightning: `TextDataModule.state_dict()`, under the class's name | the data position (`layout`; streamed data: every rank's position) |
-| `aah_log_folder` | `LOG_FOLDER_KEY` | aah: `LastCheckpoint.on_save_checkpoint` (lit/checkpointing.py) | `{save_dir, name, version}` of the run's logger: a resumed run logs on there |
+| `aah_log_folder` | `LOG_FOLDER_KEY` | aah: `LastCheckpoint.on_save_checkpoint` (lit/last_checkpoint.py) | `{save_dir, name, version}` of the run's logger: a resumed run logs on there |
 | `aah_policy` | `POLICY_KEY` | aah: `AAHModule.on_save_checkpoint` | the window policy's `state_dict()` (plain tensors, lists, ints): a resumed run decides as the uninterrupted one would; inspect rebuilds the head groups from it |
 | `aah_rng` | `RNG_KEY` | aah: `AAHModule.on_save_checkpoint` | every rank's Python, NumPy, torch (CUDA) RNG states, in rank order |
 | `aah_window_usage` | `WINDOW_USAGE_KEY` | aah: `AAHModule.on_save_checkpoint` | `WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), `steps`, `nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps |
@@ -28,7 +28,7 @@ Every other module names a key by its constant here: ``tests/test_checkpoint.py`
 the package or tool spells one out, and that this table, ``KEYS`` and the one in docs/architecture.md agree.
 
 Reading: ``read_checkpoint`` (and ``load_checkpoint_file``, which Lightning's loads go through via
-``lit/checkpointing.AtomicCheckpointIO``): the file must be a complete PyTorch archive whose CRC32 checksums match
+``lit/atomic_files.AtomicCheckpointIO``): the file must be a complete PyTorch archive whose CRC32 checksums match
 (torch itself does not check them, so a damaged copy would load silently), and it is unpickled with
 ``weights_only=True`` unless the caller (the user's ``--weights_only false``) says otherwise. Every failure is a
 one-line ``ConfigError`` naming the file. ``load_model`` rebuilds the GPT with its window table from the weights and
@@ -122,7 +122,7 @@ KEYS: dict[str, tuple[str, str]] = {
         "the data position (`layout`; streamed data: every rank's position)",
     ),
     LOG_FOLDER_KEY: (
-        "aah: `LastCheckpoint.on_save_checkpoint` (lit/checkpointing.py)",
+        "aah: `LastCheckpoint.on_save_checkpoint` (lit/last_checkpoint.py)",
         "`{save_dir, name, version}` of the run's logger: a resumed run logs on there",
     ),
     POLICY_KEY: (

@@ -38,20 +38,16 @@ from aah_lightning.checkpoint import LOG_FOLDER_KEY
 from aah_lightning.data.prompts import read_prompts
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
-from aah_lightning.lit.checkpointing import (
-    INTERRUPT_EXIT_CODE,
-    SIGTERM_EXIT_CODE,
-    AtomicCheckpointIO,
-    LastCheckpoint,
-    SignalStop,
-    release_folder_locks,
-)
+from aah_lightning.lit.atomic_files import AtomicCheckpointIO
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
+from aah_lightning.lit.folder_lock import release_folder_locks
 from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.module import AAHModule
+from aah_lightning.lit.signals import INTERRUPT_EXIT_CODE, SIGTERM_EXIT_CODE, SignalStop
 from aah_lightning.lit.throughput import ProgressBar, Throughput
 from aah_lightning.model.config import GPTConfig
 

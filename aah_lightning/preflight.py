@@ -25,8 +25,8 @@ from aah_lightning.checkpoint import (
 )
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import cuda_count, writable_folder
-from aah_lightning.lit.checkpointing import LastCheckpoint
 from aah_lightning.lit.checks import check_run
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 
 # --ckpt_path values Lightning resolves itself; "last" is resolved here so that a missing one is an error.
 _LIGHTNING_KEYWORDS = ("best", "hpc", "registry")

@@ -41,3 +41,28 @@ def rank_from_environment() -> int | None:
     from lightning.fabric.utilities.rank_zero import _get_rank
 
     return _get_rank()
+
+
+# -- ModelCheckpoint: LastCheckpoint saves "last" on its own triggers (the final step, a signal) ------------------------
+def should_skip_saving(callback, trainer) -> bool:
+    """Whether ``callback`` (a ``ModelCheckpoint``) would not save now: outside fit, in the sanity check, under
+    ``fast_dev_run``, or when it already saved this global step."""
+    return callback._should_skip_saving_checkpoint(trainer)
+
+
+def save_last_checkpoint(callback, trainer) -> None:
+    """Save ``callback``'s ``last`` checkpoint of the current step now, as ``ModelCheckpoint`` does on its own
+    triggers: through ``trainer.save_checkpoint`` (so the checkpoint plugin or the strategy writes it), named from the
+    current metrics, step and epoch, with ``last_model_path`` set and the step recorded as saved."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def last_step_saved(callback) -> int:
+    """The global step of the last checkpoint ``callback`` (a ``ModelCheckpoint``) saved; 0 before its first."""
+    return callback._last_global_step_saved
+
+
+def attached_trainer(module):
+    """The Trainer ``module`` (a ``LightningModule``) is attached to, or None: ``module.trainer`` raises when there is
+    none (a module loaded or saved by code outside a Trainer)."""
+    return module._trainer

@@ -36,6 +36,7 @@ from aah_lightning.errors import require
 from aah_lightning.lit import distributed
 from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
+from aah_lightning.lit.lightning_private import attached_trainer
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
@@ -373,14 +374,14 @@ class AAHModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[POLICY_KEY] = self.policy.state_dict()
-        if self._trainer is not None and self.trainer.state.fn == "fit":
+        if attached_trainer(self) is not None and self.trainer.state.fn == "fit":
             self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
         checkpoint[RNG_KEY] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
         checkpoint[WINDOW_USAGE_KEY] = self.window_usage.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         path = str(getattr(trainer, "ckpt_path", None) or "checkpoint")
         if self.checked_checkpoint is None or self.checked_checkpoint != os.path.realpath(path):
             check_matches(checkpoint, self, path)  # not checked before (code driving a Trainer directly)
@@ -393,6 +394,6 @@ class AAHModule(L.LightningModule):
             # Rank r continues saved rank r's generators; a rank the saved run did not have (a resume on more
             # processes) starts from a state derived from the seed, its rank and the step. Saved states of ranks
             # this run does not have are dropped.
-            rank = self.trainer.global_rank if self._trainer is not None else 0
+            rank = self.trainer.global_rank if attached_trainer(self) is not None else 0
             step = int(checkpoint.get(GLOBAL_STEP_KEY, 0))
             self._rng_to_restore = states[rank] if rank < len(states) else distributed.derived_rng_state(rank, step)

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import main
-from aah_lightning.lit.checkpointing import load_checkpoint_file
 from helpers.modules import module_of
 
 EXPECTED_FILES = {

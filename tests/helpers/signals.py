@@ -15,7 +15,7 @@ import time
 
 import lightning as L
 
-from aah_lightning.lit.checkpointing import LastCheckpoint
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.lightning_private import inside_accumulation_window
 from helpers.cli import PYTHON, subprocess_env
 from helpers.launch import read_outputs, start_ranks

@@ -8,7 +8,7 @@ import time
 
 import lightning as L
 
-from aah_lightning.lit.checkpointing import LastCheckpoint
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.lightning_private import cluster_environment
 
 TIMEOUT = 240  # seconds for any one wait; a busy machine can be slow to start processes

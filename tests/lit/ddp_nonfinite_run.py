@@ -11,10 +11,11 @@ import lightning as L
 import torch
 
 from aah_lightning.errors import TrainingDiverged
-from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint
+from aah_lightning.lit.atomic_files import AtomicCheckpointIO
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.guards import NonFiniteGuard
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 

@@ -1,4 +1,5 @@
-"""Crash-safe checkpoint writes and safe loading (aah_lightning/lit/checkpointing.py)."""
+"""Crash-safe checkpoint writes and safe loading (aah_lightning/lit/atomic_files.py), the checkpoint folder's lock
+(lit/folder_lock.py) and ``last.ckpt`` (lit/last_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ import lightning as L
 import pytest
 import torch
 
+from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import AAHCLI, main
 from aah_lightning.errors import CheckpointWriteError, ConfigError
-from aah_lightning.lit import checkpointing
-from aah_lightning.lit.checkpointing import PARTIAL_PREFIX, AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
+from aah_lightning.lit import atomic_files, folder_lock
+from aah_lightning.lit.atomic_files import PARTIAL_PREFIX, AtomicCheckpointIO
 from aah_lightning.lit.datamodule import TextDataModule
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.preflight import resolve_ckpt_path
@@ -32,7 +35,7 @@ from helpers.cli import PYTHON, cli_error, subprocess_env, tiny_config, train_ti
 STALLING_WRITER = textwrap.dedent(
     """
     import io, sys, time, torch
-    from aah_lightning.lit.checkpointing import AtomicCheckpointIO
+    from aah_lightning.lit.atomic_files import AtomicCheckpointIO
 
     path, plugin = sys.argv[1], AtomicCheckpointIO()
     plugin.save_checkpoint({"version": 1, "w": torch.full((1 << 18,), 1.0)}, path)
@@ -129,9 +132,9 @@ def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkey
         f.write(b"PK\x03\x04 partial bytes")
         raise error
 
-    monkeypatch.setattr(checkpointing.torch, "save", failing_save)
+    monkeypatch.setattr(atomic_files.torch, "save", failing_save)
     if isinstance(error, RuntimeError):
-        monkeypatch.setattr(checkpointing.os, "statvfs", lambda folder: _NoRoom, raising=False)
+        monkeypatch.setattr(atomic_files.os, "statvfs", lambda folder: _NoRoom, raising=False)
     with pytest.raises(CheckpointWriteError, match=message) as raised:
         plugin.save_checkpoint({"version": 2, "w": torch.zeros(1 << 18)}, target)
     if "space" in message:
@@ -145,7 +148,7 @@ def test_a_runtime_error_that_is_not_a_write_failure_is_not_reported_as_one(tmp_
     def broken_save(obj, f):
         raise RuntimeError("something else went wrong")
 
-    monkeypatch.setattr(checkpointing.torch, "save", broken_save)
+    monkeypatch.setattr(atomic_files.torch, "save", broken_save)
     with pytest.raises(RuntimeError, match="something else") as raised:
         AtomicCheckpointIO().save_checkpoint({"version": 2}, tmp_path / "last.ckpt")
     assert not isinstance(raised.value, CheckpointWriteError)
@@ -281,7 +284,7 @@ def test_unsafe_checkpoint_is_refused_unless_allowed(tmp_path, capsys):
 LOCK_HOLDER = textwrap.dedent(
     """
     import sys, time
-    from aah_lightning.lit.checkpointing import FolderLock
+    from aah_lightning.lit.folder_lock import FolderLock
 
     FolderLock(sys.argv[1]).acquire()
     print("HELD", flush=True)
@@ -320,21 +323,21 @@ def test_a_killed_runs_lock_is_taken_over(tmp_path):
     holder = _hold_lock(tmp_path, folder)
     holder.send_signal(signal.SIGKILL)  # as the OOM killer or a scheduler's SIGKILL would
     holder.wait()
-    assert os.path.exists(folder / checkpointing.LOCK_NAME)
+    assert os.path.exists(folder / folder_lock.LOCK_NAME)
     with pytest.warns(UserWarning, match=f"took over the lock of PID {holder.pid} on host"):
         train_tiny(tmp_path, "--trainer.max_steps=2")
     assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 2
-    assert not os.path.exists(folder / checkpointing.LOCK_NAME)  # released when the run ended
+    assert not os.path.exists(folder / folder_lock.LOCK_NAME)  # released when the run ended
 
 
 @pytest.mark.parametrize("silent_for, taken", [(10, False), (3600, True)])
 def test_a_lock_of_another_host_is_stale_when_its_heartbeat_stops(tmp_path, silent_for, taken):
     folder = tmp_path / "ckpts"
     folder.mkdir()
-    lock = folder / checkpointing.LOCK_NAME
+    lock = folder / folder_lock.LOCK_NAME
     lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": 0, "id": "theirs"}))
     os.utime(lock, (time.time() - silent_for,) * 2)
-    mine = checkpointing.FolderLock(str(folder))
+    mine = folder_lock.FolderLock(str(folder))
     if taken:
         with pytest.warns(UserWarning, match="took over the lock of PID 4242 on host node-elsewhere"):
             mine.acquire()
@@ -348,13 +351,13 @@ def test_a_lock_of_another_host_is_stale_when_its_heartbeat_stops(tmp_path, sile
 
 
 def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointing.FolderLock, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(folder_lock.FolderLock, "HEARTBEAT_S", 0.01)
     folder = tmp_path / "ckpts"
     seen = []
 
     class Look(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            lock = folder / checkpointing.LOCK_NAME
+            lock = folder / folder_lock.LOCK_NAME
             os.utime(lock, (0, 0))  # a heartbeat must bring it back to now
             time.sleep(0.2)
             seen.append((json.loads(lock.read_text())["pid"], time.time() - os.path.getmtime(lock)))
@@ -372,4 +375,21 @@ def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, mon
     )
     trainer.fit(model, datamodule=data)
     assert [pid for pid, _ in seen] == [os.getpid()] * 2 and all(age < 60 for _, age in seen), seen
-    assert not os.path.exists(folder / checkpointing.LOCK_NAME)
+    assert not os.path.exists(folder / folder_lock.LOCK_NAME)
+
+
+def test_the_fsdp2_strategy_keeps_the_class_path_of_earlier_configs():
+    # The shipped FSDP2 config names the strategy's module; configs of earlier versions (and the config.yaml each run
+    # saves in its log folder) name the module it lived in before, which is kept as an alias.
+    import importlib
+
+    import yaml
+
+    from aah_lightning.lit.fsdp2_saves import AtomicModelParallelStrategy
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "configs", "cluster", "fsdp2.yaml")) as f:
+        class_path = yaml.safe_load(f)["trainer"]["strategy"]["class_path"]
+    for path in (class_path, "aah_lightning.lit.checkpointing.AtomicModelParallelStrategy"):
+        module, name = path.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), name) is AtomicModelParallelStrategy

@@ -3,6 +3,7 @@ and the public replacements of private attributes it used before."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -101,18 +102,17 @@ def test_ddp_that_broadcasts_buffers_is_warned_about(one_process_group, broadcas
 
 
 # -- the private API of lit/lightning_private.py, against the installed Lightning --------------------------------------
-def _boring_fit(callback, **trainer_args):
+def _boring_fit(*callbacks, **trainer_args):
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    trainer_args = {"logger": False, **trainer_args}
+    trainer_args = {"logger": False, "enable_checkpointing": False, **trainer_args}
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=2,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback],
+        callbacks=list(callbacks),
         **trainer_args,
     )
     trainer.fit(BoringModel())
@@ -180,3 +180,70 @@ def test_cluster_environment_is_the_one_lightning_chose(monkeypatch):
     assert isinstance(cluster_environment(under_slurm), SLURMEnvironment)
     monkeypatch.setenv("RANK", "3")
     assert rank_from_environment() == 3
+
+
+def test_model_checkpoint_saves_last_on_demand_through_the_trainer_and_knows_the_step_it_saved(tmp_path):
+    # LastCheckpoint saves "last" itself at the final step and at a signal stop (should_skip_saving,
+    # save_last_checkpoint), and skips a save when this step is saved already (last_step_saved).
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from aah_lightning.lit.lightning_private import last_step_saved, save_last_checkpoint, should_skip_saving
+
+    class RecordedIO(TorchCheckpointIO):
+        written: list = []
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            self.written.append((os.path.basename(path), checkpoint["global_step"]))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    # No trigger of its own (every_n_epochs=0); "last" named from the step, so each save has its own file.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=0)
+    checkpoint.CHECKPOINT_NAME_LAST = "last-{step}"
+    never_saved = ModelCheckpoint(dirpath=tmp_path / "other", save_last=True, save_top_k=0, every_n_epochs=0)
+
+    class SaveEveryStep(L.Callback):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            before = (last_step_saved(checkpoint), should_skip_saving(checkpoint, trainer))
+            save_last_checkpoint(checkpoint, trainer)
+            after = (last_step_saved(checkpoint), should_skip_saving(checkpoint, trainer))
+            files = sorted(os.listdir(tmp_path))
+            self.seen.append((trainer.global_step, before, after, os.path.basename(checkpoint.last_model_path), files))
+
+        def on_validation_start(self, trainer, pl_module):
+            self.seen.append(("validate", should_skip_saving(never_saved, trainer)))
+
+    probe = SaveEveryStep()
+    trainer = _boring_fit(probe, checkpoint, enable_checkpointing=True, plugins=[RecordedIO()], num_sanity_val_steps=0)
+    assert probe.seen == [
+        (1, (0, False), (1, True), "last-step=1.ckpt", ["last-step=1.ckpt"]),
+        (2, (1, False), (2, True), "last-step=2.ckpt", ["last-step=2.ckpt"]),  # the previous "last" removed
+    ]
+    assert RecordedIO.written == [("last-step=1.ckpt", 1), ("last-step=2.ckpt", 2)]  # the trainer's plugin wrote them
+    trainer.validate(trainer.lightning_module, verbose=False)
+    assert probe.seen[-1] == ("validate", True)  # never outside fit, even when this step was not saved
+
+
+def test_attached_trainer_is_none_until_a_trainer_runs_the_module():
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from aah_lightning.lit.lightning_private import attached_trainer
+
+    alone = BoringModel()
+    assert attached_trainer(alone) is None
+    with pytest.raises(RuntimeError, match="not attached"):  # why the private attribute: the property raises
+        _ = alone.trainer
+
+    class Probe(L.Callback):
+        seen: list = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.seen.append(attached_trainer(pl_module) is trainer)
+
+    probe = Probe()
+    _boring_fit(probe)
+    assert probe.seen == [True]

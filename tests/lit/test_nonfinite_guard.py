@@ -11,11 +11,13 @@ import lightning as L
 import pytest
 import torch
 
+from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import main
 from aah_lightning.errors import TrainingDiverged
-from aah_lightning.lit.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
+from aah_lightning.lit.atomic_files import AtomicCheckpointIO
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.guards import NonFiniteGuard
+from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
 from helpers.cli import PYTHON, REPO, subprocess_env, tiny_config

@@ -9,8 +9,9 @@ import signal
 
 import pytest
 
+from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import main, sigterm_report
-from aah_lightning.lit.checkpointing import SignalStop, load_checkpoint_file
+from aah_lightning.lit.signals import SignalStop
 from helpers.resume import INTERRUPT_AT, check_resumed, run_args
 from helpers.signals import hold_args, run_and_sigterm, sigterm_lines
 from helpers.tb import read_events

@@ -1,0 +1,153 @@
+"""One run per checkpoint folder: the lock file ``<folder>/.aah-lock`` and its heartbeat.
+
+``FolderLock`` takes the lock (atomically, refusing in one line when a live run holds it, taking over a stale one with
+a warning); ``release_folder_locks`` lets go of every lock this process holds (the CLI, however a command ends).
+``LastCheckpoint`` takes its folder's lock for the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from aah_lightning.errors import ConfigError
+from aah_lightning.lit.atomic_files import partial_name, pid_alive
+
+LOCK_NAME = ".aah-lock"  # hidden, not *.ckpt: no checkpoint search ever sees it
+
+
+class FolderLock:
+    """One run per checkpoint folder: ``<folder>/.aah-lock`` holds the writer's host, PID and start time.
+
+    ``acquire`` creates it atomically (``os.link`` of a complete file: it exists whole or not at all) or refuses, in
+    one line naming the run that holds it. A lock is stale - its run was killed - when its host is this one and its
+    PID is not running, or when its heartbeat is older than ``STALE_AFTER_S`` (another host: a daemon thread of the
+    holder touches the file every ``HEARTBEAT_S``); a stale lock is taken over with a warning. ``held`` says whether
+    the file is still this lock (a run that was stopped with SIGSTOP past the stale limit may have lost it).
+    """
+
+    HEARTBEAT_S = 30.0
+    STALE_AFTER_S = 300.0
+
+    def __init__(self, folder: str, setting: str = "checkpoint.dirpath"):
+        self.folder, self.setting = os.path.abspath(folder), setting
+        self.path = os.path.join(self.folder, LOCK_NAME)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "id": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _holder(self) -> Optional[dict]:
+        """The lock's record and ``age`` (seconds since its last heartbeat); None if there is no lock."""
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+            with open(self.path) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # not a record of ours (it is created whole): stale only by its age
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        return {"host": "?", "pid": "?", "started": 0, "id": None, **holder, "age": age}
+
+    def _create(self, tmp: str) -> bool:
+        """Make the lock, atomically; False if there is one already."""
+        try:
+            os.link(tmp, self.path)  # the complete record appears at once
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: exclusive creation, then the record
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record, f)
+            return True
+
+    def _stale(self, holder: dict) -> bool:
+        if holder["age"] > self.STALE_AFTER_S:
+            return True
+        return (
+            holder.get("host") == socket.gethostname()
+            and isinstance(holder.get("pid"), int)
+            and not pid_alive(holder["pid"])
+        )
+
+    def acquire(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = os.path.join(self.folder, partial_name())
+        with open(tmp, "w") as f:
+            json.dump(self.record, f)
+        try:
+            for _ in range(3):  # a lock that disappears or turns stale between two looks: look again
+                if self._create(tmp):
+                    break
+                holder = self._holder()
+                if holder is None:
+                    continue
+                if holder.get("id") == self.record["id"]:
+                    break
+                if not self._stale(holder):
+                    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
+                    raise ConfigError(
+                        f"{self.setting}={self.folder!r} is in use by another run: PID {holder.get('pid')} on host "
+                        f"{holder.get('host')} (started {started}, alive {holder['age']:.0f} s ago); wait for it to "
+                        f"end, stop it, or give this run another {self.setting}"
+                    )
+                # Set the stale lock aside under a name of our own; only one of two runs racing for it succeeds.
+                aside = os.path.join(self.folder, partial_name())
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path, aside)
+                    with contextlib.suppress(OSError):
+                        os.remove(aside)
+                    rank_zero_warn(
+                        f"{self.setting}={self.folder!r}: took over the lock of PID {holder.get('pid')} on host "
+                        f"{holder.get('host')}, which is no longer running (no heartbeat for {holder['age']:.0f} s or "
+                        f"no such process)"
+                    )
+            else:
+                raise ConfigError(f"{self.setting}={self.folder!r}: could not take its lock {self.path}")
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="aah-lock-heartbeat", daemon=True)
+        self._thread.start()
+        _HELD.add(self)
+        atexit.register(self.release)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def held(self) -> bool:
+        holder = self._holder()
+        return holder is not None and holder.get("id") == self.record["id"]
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.held():
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        _HELD.discard(self)
+        atexit.unregister(self.release)
+
+
+_HELD: set[FolderLock] = set()  # the locks this process holds
+
+
+def release_folder_locks() -> None:
+    """Release every checkpoint-folder lock this process holds (the CLI, when a command ends in any way)."""
+    for lock in list(_HELD):
+        lock.release()
