@@ -155,7 +155,7 @@ def keys_table() -> str:
 # dicts, as ``--model.n_layer``; 2: one dict per settings dataclass, ``gpt``, ``aah`` and ``optim``
 # (``--model.gpt.n_layer``). ``upgrade_hyperparameters`` reads every earlier layout as today's.
 HPARAMS_FORMAT_ENTRY = "_format"
-HPARAMS_FORMAT = 3
+HPARAMS_FORMAT = 4
 # Format 2 kept the simple policies' settings flat in ``aah``; format 3 moved each into its policy's block
 # (``aah.fixed.window``). The same keys given flat in a config still work, with one deprecation line (AAHConfig).
 FLAT_POLICY_SETTINGS = {
@@ -164,6 +164,45 @@ FLAT_POLICY_SETTINGS = {
     "table": ("static", "random"),
     "long_layer": ("random",),
     "redraw_interval": ("random", "shuffle"),
+}
+# Format 3 kept the controller's settings flat in ``aah.controller``; format 4 holds them in blocks beside the code
+# that reads them (``aah.controller.budget.target_acr``). Flat key -> (block, name); the same keys given flat in a
+# config still work, with one deprecation line (ControllerConfig).
+FLAT_CONTROLLER_SETTINGS = {
+    "signal": ("need", "signal"),
+    "probe_sequences": ("need", "probe_sequences"),
+    "probe_queries": ("need", "probe_queries"),
+    "ema_alpha": ("need", "ema_alpha"),
+    "grouping": ("groups", "method"),
+    "feature_set": ("groups", "feature_set"),
+    "feature_floor": ("groups", "feature_floor"),
+    "metric": ("groups", "metric"),
+    "threshold": ("groups", "threshold"),
+    "threshold_growth": ("groups", "threshold_growth"),
+    "min_group_size": ("groups", "min_group_size"),
+    "max_groups": ("groups", "max_groups"),
+    "hysteresis": ("groups", "hysteresis"),
+    "random_groups": ("groups", "random_groups"),
+    "depth": ("groups", "depth"),
+    "reuse_groups": ("groups", "reuse_groups"),
+    "allocator": ("allocation", "allocator"),
+    "paper_joint_scorer": ("allocation", "paper_joint_scorer"),
+    "coverage_target": ("allocation", "coverage_target"),
+    "parent_constraint": ("allocation", "parent_constraint"),
+    "target_acr": ("budget", "target_acr"),
+    "target_causal_coverage": ("budget", "target_causal_coverage"),
+    "budget_scope": ("budget", "scope"),
+    "budget_over_run": ("budget", "over_run"),
+    "explorers": ("reach", "explorers"),
+    "explore_window": ("reach", "explore_window"),
+    "formation_steps": ("reach", "formation_steps"),
+    "formation_fill": ("reach", "formation_fill"),
+    "reach_heads": ("reach", "heads"),
+    "reach_window": ("reach", "window"),
+    "settle_margin": ("settle", "margin"),
+    "warmup_steps": ("schedule", "warmup_steps"),
+    "control_interval": ("schedule", "control_interval"),
+    "freeze_after": ("schedule", "freeze_after"),
 }
 # Format 1's flat settings, which format 2 holds in ``gpt``.
 _FLAT_GPT_SETTINGS = (
@@ -337,10 +376,10 @@ def plain_key(key: str) -> str:
 def upgrade_hyperparameters(hparams: Mapping) -> dict:
     """The module's hyperparameters ``hparams`` of any layout in today's (``HPARAMS_FORMAT``): format 1's flat GPT
     settings moved into ``gpt``, format 1's and 2's flat policy settings into their policy's
-    block. A layout newer than this code knows is a ``ConfigError``."""
+    block, format 1-3's flat controller settings into the controller's blocks. A layout newer than this code knows is a ``ConfigError``."""
     hparams = dict(hparams)
     version = hparams.pop(HPARAMS_FORMAT_ENTRY, 1)
-    if version not in (1, 2, HPARAMS_FORMAT):
+    if version not in (1, 2, 3, HPARAMS_FORMAT):
         raise ConfigError(
             f"the checkpoint's hyperparameters have layout {version!r}, this aah reads up to {HPARAMS_FORMAT}: it was "
             f"written by a newer aah"
@@ -355,6 +394,12 @@ def upgrade_hyperparameters(hparams: Mapping) -> dict:
             for block in blocks if value is not None else ():
                 aah[block] = {**aah.get(block, {}), key: value}
         hparams["aah"] = aah
+    if version in (1, 2, 3) and isinstance((hparams.get("aah") or {}).get("controller"), Mapping):
+        controller = dict(hparams["aah"]["controller"])
+        for key, (block, name) in FLAT_CONTROLLER_SETTINGS.items():
+            if key in controller and not isinstance(controller[key], Mapping):  # a flat value, not a block
+                controller[block] = {**controller.get(block, {}), name: controller.pop(key)}
+        hparams["aah"] = {**hparams["aah"], "controller": controller}
     hparams[HPARAMS_FORMAT_ENTRY] = HPARAMS_FORMAT
     return hparams
 

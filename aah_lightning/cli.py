@@ -97,6 +97,8 @@ def setting_names(parser) -> list[str]:
                 except Exception:
                     hints = {}
                 for f in dataclasses.fields(arg):
+                    if f.name in getattr(arg, "DEPRECATED_FIELDS", ()):  # never suggest a deprecated key
+                        continue
                     names.append(f"{prefix}.{f.name}")
                     add(f"{prefix}.{f.name}", hints.get(f.name))
 

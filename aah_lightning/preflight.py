@@ -258,9 +258,11 @@ def warn_questionable(module, datamodule) -> None:
     if aah is not None and aah.policy != "adaptive":
         default = type(aah.controller)()
         changed = [
-            f"model.aah.controller.{f.name}={getattr(aah.controller, f.name)!r}"
-            for f in dataclasses.fields(aah.controller)
-            if getattr(aah.controller, f.name) != getattr(default, f.name)
+            f"model.aah.controller.{block.name}.{f.name}={getattr(getattr(aah.controller, block.name), f.name)!r}"
+            for block in dataclasses.fields(aah.controller)
+            if dataclasses.is_dataclass(getattr(default, block.name))  # a block (the flat keys were moved into them)
+            for f in dataclasses.fields(getattr(default, block.name))
+            if getattr(getattr(aah.controller, block.name), f.name) != getattr(getattr(default, block.name), f.name)
         ]
         if changed:
             rank_zero_warn(

@@ -83,12 +83,12 @@ def retrofit_args(signal: str, scope: str, target: float) -> list[str]:
     """The controller deciding at step 0 (and, within these few steps, only then)."""
     return [
         "--model.aah.policy=adaptive",
-        "--model.aah.controller.warmup_steps=0",
-        f"--model.aah.controller.signal={signal}",
-        f"--model.aah.controller.budget_scope={scope}",
-        f"--model.aah.controller.target_acr={target}",
-        "--model.aah.controller.coverage_target=1.0",
-        "--model.aah.controller.grouping=none",
+        "--model.aah.controller.schedule.warmup_steps=0",
+        f"--model.aah.controller.need.signal={signal}",
+        f"--model.aah.controller.budget.scope={scope}",
+        f"--model.aah.controller.budget.target_acr={target}",
+        "--model.aah.controller.allocation.coverage_target=1.0",
+        "--model.aah.controller.groups.method=none",
         "--model.optim.lr=1e-3",
     ]
 
@@ -247,7 +247,7 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
         "--model.aah.candidates=null",  # T/8 .. T
         "--model.gpt.backend=auto",
         "--model.gpt.compile_blocks=false",
-        "--model.aah.controller.probe_sequences=2",
+        "--model.aah.controller.need.probe_sequences=2",
         "--model.optim.lr=1e-12",
     ]
     main(["fit", "--config", recipe, "--config", str(overlay), *cpu])
@@ -260,7 +260,7 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
     assert saved[ck.POLICY_KEY]["decisions"] == 1 and saved[ck.POLICY_KEY]["last_step"] == 0
     table = ck.window_table(saved)
     assert not torch.equal(table, hf_import.window_table(hf_import.read_config(folder), theirs.cfg))
-    target = yaml.safe_load(open(recipe))["model"]["aah"]["controller"]["target_acr"]
+    target = yaml.safe_load(open(recipe))["model"]["aah"]["controller"]["budget"]["target_acr"]
     assert float((table.clamp(max=24).double() / 24).mean()) <= target + 1e-9
 
 
@@ -287,9 +287,10 @@ def test_the_recall_retrofit_rows_parse_as_the_recall_task(row, capsys):
     name = os.path.basename(row)[:-5]
     if name.startswith("gain"):
         controller = aah["controller"]
-        assert (aah["policy"], controller["signal"], controller["budget_scope"]) == ("adaptive", "gain", "model")
-        assert controller["warmup_steps"] == 0 and controller["target_acr"] == float(name.split("acr")[1])
-        assert controller["reach_heads"] == (1 if name.startswith("gain_reach") else 0)
+        budget = controller["budget"]
+        assert (aah["policy"], controller["need"]["signal"], budget["scope"]) == ("adaptive", "gain", "model")
+        assert controller["schedule"]["warmup_steps"] == 0 and budget["target_acr"] == float(name.split("acr")[1])
+        assert controller["reach"]["heads"] == (1 if name.startswith("gain_reach") else 0)
 
 
 def test_a_padded_vocabulary_keeps_its_rows_through_the_fine_tune(tmp_path, tiny_args, capsys):

@@ -261,7 +261,7 @@ def controller_overhead(args, device, dtype, step_ms: float | None) -> str:
         T = args.train_seq_len
         model = small_model(device, T)
         cfg = AAHConfig(policy="adaptive")
-        knobs = getattr(cfg, "controller", cfg)  # schedule settings live in AAHConfig.controller (or AAHConfig)
+        knobs = cfg.controller.schedule  # when the controller decides
         settings = {}
         for key, value in (("control_interval", 50), ("warmup_steps", 0)):
             if hasattr(knobs, key):

@@ -60,12 +60,11 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     candidates = default_candidates(T)
     controller = ControllerConfig(
-        warmup_steps=args.warmup,
-        control_interval=interval,
-        depth=args.depth,
-        probe_sequences=args.probe_sequences,
-        probe_queries=args.probe_queries,
-        coverage_target=0.5,  # an untrained model attends diffusely: a low target makes the table really change
+        schedule={"warmup_steps": args.warmup, "control_interval": interval},
+        groups={"depth": args.depth},
+        need={"probe_sequences": args.probe_sequences, "probe_queries": args.probe_queries},
+        # An untrained model attends diffusely: a low target makes the table really change.
+        allocation={"coverage_target": 0.5},
     )
     policy = make_policy(
         AAHConfig(policy="adaptive", candidates=candidates, controller=controller), args.n_layer, args.n_head, T

@@ -5,26 +5,53 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
-from aah_lightning.checkpoint import FLAT_POLICY_SETTINGS
+from aah_lightning.checkpoint import FLAT_CONTROLLER_SETTINGS, FLAT_POLICY_SETTINGS
 from aah_lightning.errors import ConfigError, move_flat_setting, require
 from aah_lightning.windows.metrics import window_costs
 from aah_lightning.windows.policy_base import policy_class
 
+# The controller's settings, one block per part of the controller (``model.aah.controller.<block>``). They live here,
+# with every policy's settings as data, and not in the controller's modules: this module imports no policy code.
+# Each block's docstring names the module that reads it.
+
 
 @dataclass
-class ControllerConfig:
-    """Settings of the ``adaptive`` policy: the AAH controller (``model.aah.controller``; docs/controller.md).
+class NeedConfig:
+    """How need is measured (``model.aah.controller.need``; docs/controller.md, "Need signals").
 
     Attributes:
+        signal: what a head's need for each candidate window is measured by: ``mass`` (the paper's statistics: the
+            share of its full-causal attention mass inside the window), ``gain`` (counterfactual: the loss decrease of
+            giving the head that window, measured by running the probe sequences with that one head's window
+            changed; budget only, ``allocation.allocator: reach``), or ``module:name`` of a signal registered in an
+            importable module (``register_signal``).
         probe_sequences: sequences of the current batch the probe runs (cost does not grow with the batch size).
         probe_queries: query positions sampled per sequence (stratified over the sequence).
+        ema_alpha: smoothing across control steps, ``m <- a*m + (1-a)*x``; 0 disables it.
+    """
+
+    signal: str = "mass"
+    probe_sequences: int = 2
+    probe_queries: int = 64
+    ema_alpha: float = 0.5
+
+    def validate(self, key: str) -> None:
+        require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
+        require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
+        require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")
+
+
+@dataclass
+class GroupsConfig:
+    """How each layer's heads are grouped (``model.aah.controller.groups``; docs/controller.md, "One control step").
+
+    Attributes:
+        method: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group) or
+            ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer).
         feature_set: what the heads are grouped by: ``paper`` (nine q/k/v/attention statistics), ``reach``
             (attention-mass profile over the candidates plus mean log-distance) or ``all`` (both, equal weight).
-        ema_alpha: feature smoothing across control steps, ``m <- a*m + (1-a)*x``; 0 disables it.
         feature_floor: a feature's spread across a layer's heads counts as noise below this fraction of its mean
             magnitude (standardisation divides by at least that, instead of blowing noise up to unit variance).
-        grouping: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group) or
-            ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer).
         metric: ``euclidean`` (RMS distance of standardised features) or ``cosine``.
         threshold: level-0 cut of the dendrogram (merge while the average linkage is at most this).
         threshold_growth: level l is cut at ``threshold * threshold_growth**l``.
@@ -33,64 +60,12 @@ class ControllerConfig:
         hysteresis: keep the previous level-0 partition unless the new one scores better by this margin.
         random_groups: number of groups of ``fixed_random``.
         depth: at most this many hierarchy levels (1 = flat groups).
-        allocator: how groups get windows: ``reach`` (smallest candidate whose mass share reaches coverage_target)
-            or ``paper`` (the authors' scorer networks, for parity studies: seeded random weights that are never
-            trained, exactly as in the authors' code, where they never receive a gradient).
-        paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
-            paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
-        coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
-        target_acr: optional compute budget as a mean window / T (ACR; at most one budget): a ceiling on the mean
-            per-head cost of each layer, or of the whole model (``budget_scope``).
-        target_causal_coverage: optional compute budget as causal coverage (at most one budget), per layer or for
-            the whole model (``budget_scope``).
-        budget_scope: ``layer`` (each layer within the budget) or ``model`` (one budget for all layers). Either way
-            ``controller/budget.py`` chooses the window of every finest group exactly, maximising the kept attention
-            mass (``reach`` only).
-        budget_over_run: the budget is the mean over the whole run, the full-context warmup included: each
-            decision's ceiling is what the remaining steps may still spend (``controller/budget.py``).
-        parent_constraint: a child group's window never exceeds its parent's (without a budget: the child is capped
-            at what its parent's mass needs; under a budget a parent takes its widest child's window, so this always
-            holds).
-        settle_margin: how much a decision must gain before a window moves, so that a table stops changing when
-            nothing changes but probe noise. Without a budget, a dead band around ``coverage_target``: a group grows
-            only when its window holds less than ``coverage_target - settle_margin`` of its mass and shrinks only to
-            a window holding at least ``coverage_target + settle_margin``. Under a budget, the table in force stays
-            (per layer, or for the model) while it fits the ceiling and the new choice keeps less than this much more
-            attention mass per head it would move. 0 = always take the new choice.
-        warmup_steps: every head sees the full context until this step; the first decision is made here.
-        control_interval: decide every this many steps after warmup.
-        freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
         reuse_groups: keep the level-0 partition of the first decision; keep re-allocating windows.
-        signal: what a head's need for each candidate window is measured by (docs/controller.md, "Need signals"):
-            ``mass`` (the paper's statistics: the share of its full-causal attention mass inside the window) or
-            ``gain`` (counterfactual: the loss decrease of giving the head that window, measured by running the probe
-            sequences with that one head's window changed; budget only, ``allocator: reach``), or ``module:name``
-            of a signal registered in an importable module (``signals.register_signal``).
-        explorers: reach first: this many heads of every layer (heads ``0 .. explorers - 1``; at initialisation every
-            head is alike) hold ``explore_window`` from step 0 until ``formation_steps``, whatever the signal says,
-            so that a head that needs context can learn to use it before need is measured. 0 = off. Budget only.
-        explore_window: the explorers' window (None = the widest candidate); one of the candidates.
-        formation_steps: the explorers hold their reach until this step; afterwards reach goes where the signal
-            measures need (the table in force stays unless a move gains more than ``settle_margin``).
-        formation_fill: the other heads' windows while the explorers form: ``knapsack`` (chosen by the signal at
-            every decision, from step 0) or ``even`` (one window for all of them, the widest the budget leaves; the
-            signal is measured and smoothed but allocates nothing until formation ends).
-        reach_heads: keep reach: at every decision (after formation), this many heads of each budget unit (the whole
-            model with ``budget_scope: model``, else each layer) hold ``reach_window``: the heads whose smoothed need
-            at that window is largest. The knapsack places the rest of the budget around them. A skill spread over
-            several heads is worth little in any one head alone, so an additive knapsack may narrow them all below
-            the reach the task needs; this keeps one head able to reach and lets the signal say which. 0 = off.
-            Budget only.
-        reach_window: the window the ``reach_heads`` hold (None = the widest candidate they can hold beside every
-            other head of their unit at the narrowest candidate, within the decision's ceiling).
     """
 
-    probe_sequences: int = 2
-    probe_queries: int = 64
+    method: Literal["cluster", "none", "fixed_random"] = "cluster"
     feature_set: Literal["paper", "reach", "all"] = "all"
-    ema_alpha: float = 0.5
     feature_floor: float = 0.05
-    grouping: Literal["cluster", "none", "fixed_random"] = "cluster"
     metric: Literal["euclidean", "cosine"] = "euclidean"
     threshold: float = 1.0
     threshold_growth: float = 1.5
@@ -99,42 +74,19 @@ class ControllerConfig:
     hysteresis: float = 0.05
     random_groups: int = 2
     depth: int = 2
-    allocator: str = "reach"
-    paper_joint_scorer: bool = True
-    coverage_target: float = 0.9
-    target_acr: Optional[float] = None
-    target_causal_coverage: Optional[float] = None
-    budget_scope: str = "layer"
-    budget_over_run: bool = False
-    parent_constraint: bool = True
-    settle_margin: float = 0.02
-    warmup_steps: int = 100
-    control_interval: int = 50
-    freeze_after: Optional[int] = None
     reuse_groups: bool = False
-    signal: str = "mass"
-    explorers: int = 0
-    explore_window: Optional[int] = None
-    formation_steps: int = 0
-    formation_fill: str = "knapsack"
-    reach_heads: int = 0
-    reach_window: Optional[int] = None
 
-    def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
-        key = "model.aah.controller."
+    def validate(self, key: str, n_head: int) -> None:
+        require(
+            self.method in ("cluster", "none", "fixed_random"),
+            key + "method",
+            self.method,
+            "cluster, none or fixed_random",
+        )
         require(
             self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
         )
-        require(
-            self.grouping in ("cluster", "none", "fixed_random"),
-            key + "grouping",
-            self.grouping,
-            "cluster, none or fixed_random",
-        )
         require(self.metric in ("euclidean", "cosine"), key + "metric", self.metric, "euclidean or cosine")
-        require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
-        require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
-        require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")
         require(self.feature_floor >= 0, key + "feature_floor", self.feature_floor, ">= 0")
         require(self.threshold > 0, key + "threshold", self.threshold, "> 0")
         require(self.threshold_growth >= 1, key + "threshold_growth", self.threshold_growth, ">= 1")
@@ -158,16 +110,62 @@ class ControllerConfig:
             f"an integer in [1, n_head={n_head}]",
         )
         require(isinstance(self.depth, int) and self.depth >= 1, key + "depth", self.depth, "an integer >= 1")
+
+
+@dataclass
+class AllocationConfig:
+    """How groups get windows (``model.aah.controller.allocation``).
+
+    Attributes:
+        allocator: without a budget, how groups get windows: ``reach`` (smallest candidate whose mass share reaches
+            coverage_target) or ``paper`` (the authors' scorer networks, for parity studies: seeded random weights
+            that are never trained, exactly as in the authors' code, where they never receive a gradient). With a
+            budget the exact knapsack (``budget.py``) chooses, and only ``reach`` is allowed.
+        paper_joint_scorer: the ``paper`` allocator's joint sibling scorer replaces the logits of sibling pairs (the
+            paper's setting; off = every group scored on its own, the authors' setting for grouping_off).
+        coverage_target: share of a group's full-causal attention mass its window must hold, in (0, 1].
+        parent_constraint: a child group's window never exceeds its parent's (without a budget: the child is capped
+            at what its parent's mass needs; under a budget a parent takes its widest child's window, so this always
+            holds).
+    """
+
+    allocator: str = "reach"
+    paper_joint_scorer: bool = True
+    coverage_target: float = 0.9
+    parent_constraint: bool = True
+
+    def validate(self, key: str) -> None:
         require(0 < self.coverage_target <= 1, key + "coverage_target", self.coverage_target, "in (0, 1]")
-        require(0 <= self.settle_margin < 1, key + "settle_margin", self.settle_margin, "in [0, 1) (0 = off)")
-        require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
-        require(self.control_interval >= 1, key + "control_interval", self.control_interval, ">= 1")
-        require(
-            self.freeze_after is None or self.freeze_after >= self.warmup_steps,
-            key + "freeze_after",
-            self.freeze_after,
-            f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
-        )
+
+
+@dataclass
+class BudgetConfig:
+    """The compute budget (``model.aah.controller.budget``; at most one target).
+
+    Attributes:
+        target_acr: a budget as a mean window / T (ACR): a ceiling on the mean per-head cost of each layer, or of the
+            whole model (``scope``).
+        target_causal_coverage: a budget as causal coverage, per layer or for the whole model (``scope``).
+        scope: ``layer`` (each layer within the budget) or ``model`` (one budget for all layers). Either way
+            ``budget.py`` chooses the window of every finest group exactly, maximising the kept need.
+        over_run: the budget is the mean over the whole run, the full-context warmup included: each decision's
+            ceiling is what the remaining steps may still spend.
+    """
+
+    target_acr: Optional[float] = None
+    target_causal_coverage: Optional[float] = None
+    scope: Literal["layer", "model"] = "layer"
+    over_run: bool = False
+
+    def target(self) -> tuple[str, float] | None:
+        """``(measure, per-head budget)`` of the compute ceiling, or None."""
+        if self.target_acr is not None:
+            return "acr", float(self.target_acr)
+        if self.target_causal_coverage is not None:
+            return "causal_coverage", float(self.target_causal_coverage)
+        return None
+
+    def validate(self, key: str, candidates: list[int], seq_len: int) -> None:
         if self.target_acr is not None and self.target_causal_coverage is not None:
             raise ConfigError(
                 f"{key}target_acr={self.target_acr!r} and {key}target_causal_coverage="
@@ -184,14 +182,47 @@ class ControllerConfig:
                 budget,
                 f"in [{smallest:.4g}, 1]: the smallest candidate window {candidates[0]} already costs {smallest:.4g}",
             )
-        require(self.budget_scope in ("layer", "model"), key + "budget_scope", self.budget_scope, "layer or model")
-        for name, on in (("budget_scope", self.budget_scope == "model"), ("budget_over_run", self.budget_over_run)):
+        require(self.scope in ("layer", "model"), key + "scope", self.scope, "layer or model")
+        for name, on in (("scope", self.scope == "model"), ("over_run", self.over_run)):
             require(
-                not on or self.budget() is not None,
+                not on or self.target() is not None,
                 key + name,
                 getattr(self, name),
                 "only with a budget: set target_acr or target_causal_coverage",
             )
+
+
+@dataclass
+class ReachConfig:
+    """Reach first and kept reach (``model.aah.controller.reach``; budget only).
+
+    Attributes:
+        explorers: reach first: this many heads of every layer (heads ``0 .. explorers - 1``; at initialisation every
+            head is alike) hold ``explore_window`` from step 0 until ``formation_steps``, whatever the signal says,
+            so that a head that needs context can learn to use it before need is measured. 0 = off.
+        explore_window: the explorers' window (None = the widest candidate); one of the candidates.
+        formation_steps: the explorers hold their reach until this step; afterwards reach goes where the signal
+            measures need (the table in force stays unless a move gains more than ``settle.margin``).
+        formation_fill: the other heads' windows while the explorers form: ``knapsack`` (chosen by the signal at
+            every decision, from step 0) or ``even`` (one window for all of them, the widest the budget leaves; the
+            signal is measured and smoothed but allocates nothing until formation ends).
+        heads: keep reach: at every decision (after formation), this many heads of each budget unit (the whole model
+            with ``budget.scope: model``, else each layer) hold ``window``: the heads whose smoothed need at that
+            window is largest. The knapsack places the rest of the budget around them. A skill spread over several
+            heads is worth little in any one head alone, so an additive knapsack may narrow them all below the reach
+            the task needs; this keeps one head able to reach and lets the signal say which. 0 = off.
+        window: the window the kept ``heads`` hold (None = the widest candidate they can hold beside every other head
+            of their unit at the narrowest candidate, within the decision's ceiling).
+    """
+
+    explorers: int = 0
+    explore_window: Optional[int] = None
+    formation_steps: int = 0
+    formation_fill: Literal["knapsack", "even"] = "knapsack"
+    heads: int = 0
+    window: Optional[int] = None
+
+    def validate(self, key: str, candidates: list[int], n_head: int, budgeted: bool) -> None:
         require(
             isinstance(self.explorers, int) and 0 <= self.explorers <= n_head,
             key + "explorers",
@@ -209,23 +240,20 @@ class ControllerConfig:
             self.formation_fill in ("knapsack", "even"), key + "formation_fill", self.formation_fill, "knapsack or even"
         )
         require(
-            isinstance(self.reach_heads, int) and 0 <= self.reach_heads <= n_head,
-            key + "reach_heads",
-            self.reach_heads,
+            isinstance(self.heads, int) and 0 <= self.heads <= n_head,
+            key + "heads",
+            self.heads,
             f"an integer in [0, n_head={n_head}] (0 = off)",
         )
         require(
-            self.reach_window is None or self.reach_window in candidates,
-            key + "reach_window",
-            self.reach_window,
+            self.window is None or self.window in candidates,
+            key + "window",
+            self.window,
             f"None (the widest the budget affords) or one of the candidates {candidates}",
         )
-        for name, on in (
-            ("explorers", self.explorers > 0),
-            ("reach_heads", self.reach_heads > 0),
-        ):
+        for name, on in (("explorers", self.explorers > 0), ("heads", self.heads > 0)):
             require(
-                not on or self.budget() is not None,
+                not on or budgeted,
                 key + name,
                 getattr(self, name),
                 "only with a budget (target_acr or target_causal_coverage): without one nothing limits reach",
@@ -236,19 +264,194 @@ class ControllerConfig:
             self.formation_steps,
             "> 0 with explorers (how long they hold their reach)",
         )
-        if self.budget() is not None and self.allocator != "reach":
+
+
+@dataclass
+class SettleConfig:
+    """When a window moves (``model.aah.controller.settle``).
+
+    Attributes:
+        margin: how much a decision must gain before a window moves, so that a table stops changing when nothing
+            changes but probe noise. Without a budget, a dead band around ``coverage_target``: a group grows only
+            when its window holds less than ``coverage_target - margin`` of its mass and shrinks only to a window
+            holding at least ``coverage_target + margin``. Under a budget, the table in force stays (per layer, or
+            for the model) while it fits the ceiling and the new choice keeps less than this much more attention
+            mass per head it would move. 0 = always take the new choice.
+    """
+
+    margin: float = 0.02
+
+    def validate(self, key: str) -> None:
+        require(0 <= self.margin < 1, key + "margin", self.margin, "in [0, 1) (0 = off)")
+
+
+@dataclass
+class ScheduleConfig:
+    """When the controller decides (``model.aah.controller.schedule``).
+
+    Attributes:
+        warmup_steps: every head sees the full context until this step; the first decision is made here.
+        control_interval: decide every this many steps after warmup.
+        freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
+    """
+
+    warmup_steps: int = 100
+    control_interval: int = 50
+    freeze_after: Optional[int] = None
+
+    def validate(self, key: str) -> None:
+        require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
+        require(self.control_interval >= 1, key + "control_interval", self.control_interval, ">= 1")
+        require(
+            self.freeze_after is None or self.freeze_after >= self.warmup_steps,
+            key + "freeze_after",
+            self.freeze_after,
+            f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
+        )
+
+    def is_control_step(self, step: int) -> bool:
+        if step < self.warmup_steps or (self.freeze_after is not None and step > self.freeze_after):
+            return False
+        return (step - self.warmup_steps) % self.control_interval == 0
+
+
+@dataclass
+class ControllerConfig:
+    """Settings of the ``adaptive`` policy: the AAH controller (``model.aah.controller``; docs/controller.md). Each
+    block sits beside the code that reads it and checks itself.
+
+    Attributes:
+        need: how need is measured: the signal, the probe, the smoothing (``NeedConfig``, ``controller/signals.py``).
+        groups: how each layer's heads are grouped into a hierarchy (``GroupsConfig``, ``controller/grouping.py``).
+        allocation: how groups get windows without a budget, and the coverage a window holds (``AllocationConfig``,
+            ``controller/allocators.py``).
+        budget: the compute budget, its scope and whether it is a mean over the run (``BudgetConfig``,
+            ``controller/ceiling.py``).
+        reach: reach first (explorers) and kept reach (``ReachConfig``, ``controller/reach.py``).
+        settle: when a window moves (``SettleConfig``, ``controller/settling.py``).
+        schedule: when the controller decides (``ScheduleConfig``, ``controller/schedule.py``).
+        signal: deprecated, now ``need.signal``.
+        probe_sequences: deprecated, now ``need.probe_sequences``.
+        probe_queries: deprecated, now ``need.probe_queries``.
+        ema_alpha: deprecated, now ``need.ema_alpha``.
+        grouping: deprecated, now ``groups.method``.
+        feature_set: deprecated, now ``groups.feature_set``.
+        feature_floor: deprecated, now ``groups.feature_floor``.
+        metric: deprecated, now ``groups.metric``.
+        threshold: deprecated, now ``groups.threshold``.
+        threshold_growth: deprecated, now ``groups.threshold_growth``.
+        min_group_size: deprecated, now ``groups.min_group_size``.
+        max_groups: deprecated, now ``groups.max_groups``.
+        hysteresis: deprecated, now ``groups.hysteresis``.
+        random_groups: deprecated, now ``groups.random_groups``.
+        depth: deprecated, now ``groups.depth``.
+        reuse_groups: deprecated, now ``groups.reuse_groups``.
+        allocator: deprecated, now ``allocation.allocator``.
+        paper_joint_scorer: deprecated, now ``allocation.paper_joint_scorer``.
+        coverage_target: deprecated, now ``allocation.coverage_target``.
+        parent_constraint: deprecated, now ``allocation.parent_constraint``.
+        target_acr: deprecated, now ``budget.target_acr``.
+        target_causal_coverage: deprecated, now ``budget.target_causal_coverage``.
+        budget_scope: deprecated, now ``budget.scope``.
+        budget_over_run: deprecated, now ``budget.over_run``.
+        explorers: deprecated, now ``reach.explorers``.
+        explore_window: deprecated, now ``reach.explore_window``.
+        formation_steps: deprecated, now ``reach.formation_steps``.
+        formation_fill: deprecated, now ``reach.formation_fill``.
+        reach_heads: deprecated, now ``reach.heads``.
+        reach_window: deprecated, now ``reach.window``.
+        settle_margin: deprecated, now ``settle.margin``.
+        warmup_steps: deprecated, now ``schedule.warmup_steps``.
+        control_interval: deprecated, now ``schedule.control_interval``.
+        freeze_after: deprecated, now ``schedule.freeze_after``.
+    """
+
+    # The flat keys of earlier versions: accepted, moved into their blocks, never suggested for a mistyped key.
+    DEPRECATED_FIELDS = frozenset(FLAT_CONTROLLER_SETTINGS)
+
+    need: NeedConfig = field(default_factory=NeedConfig)
+    groups: GroupsConfig = field(default_factory=GroupsConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    reach: ReachConfig = field(default_factory=ReachConfig)
+    settle: SettleConfig = field(default_factory=SettleConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # Deprecated: the flat layout of earlier versions, moved into the blocks with one deprecation line.
+    signal: Optional[str] = None
+    probe_sequences: Optional[int] = None
+    probe_queries: Optional[int] = None
+    ema_alpha: Optional[float] = None
+    grouping: Optional[str] = None
+    feature_set: Optional[str] = None
+    feature_floor: Optional[float] = None
+    metric: Optional[str] = None
+    threshold: Optional[float] = None
+    threshold_growth: Optional[float] = None
+    min_group_size: Optional[int] = None
+    max_groups: Optional[int] = None
+    hysteresis: Optional[float] = None
+    random_groups: Optional[int] = None
+    depth: Optional[int] = None
+    reuse_groups: Optional[bool] = None
+    allocator: Optional[str] = None
+    paper_joint_scorer: Optional[bool] = None
+    coverage_target: Optional[float] = None
+    parent_constraint: Optional[bool] = None
+    target_acr: Optional[float] = None
+    target_causal_coverage: Optional[float] = None
+    budget_scope: Optional[str] = None
+    budget_over_run: Optional[bool] = None
+    explorers: Optional[int] = None
+    explore_window: Optional[int] = None
+    formation_steps: Optional[int] = None
+    formation_fill: Optional[str] = None
+    reach_heads: Optional[int] = None
+    reach_window: Optional[int] = None
+    settle_margin: Optional[float] = None
+    warmup_steps: Optional[int] = None
+    control_interval: Optional[int] = None
+    freeze_after: Optional[int] = None
+
+    def __post_init__(self):
+        for name, cls in _CONTROLLER_BLOCKS.items():
+            if isinstance(getattr(self, name), dict):  # from checkpoint hyper-parameters or a plain dict
+                setattr(self, name, cls(**getattr(self, name)))
+        # max_groups, explore_window, reach_window, target_* and freeze_after default to None in their blocks, so a
+        # flat None cannot be told from "not given": only values other than None move.
+        for key, (block, name) in FLAT_CONTROLLER_SETTINGS.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            default = getattr(_CONTROLLER_BLOCKS[block](), name)
+            move_flat_setting("model.aah.controller", key, value, [(block, getattr(self, block), name, default)], 3)
+            setattr(self, key, None)
+
+    def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
+        key = "model.aah.controller."
+        self.need.validate(key + "need.")
+        self.groups.validate(key + "groups.", n_head)
+        self.allocation.validate(key + "allocation.")
+        self.budget.validate(key + "budget.", candidates, seq_len)
+        self.reach.validate(key + "reach.", candidates, n_head, self.budget.target() is not None)
+        self.settle.validate(key + "settle.")
+        self.schedule.validate(key + "schedule.")
+        if self.budget.target() is not None and self.allocation.allocator != "reach":
             raise ConfigError(
-                f"{key}allocator={self.allocator!r} does not take a compute budget (its decisions have no notion of "
-                f"cost): use allocator: reach, or remove target_acr / target_causal_coverage"
+                f"{key}allocation.allocator={self.allocation.allocator!r} does not take a compute budget (its "
+                f"decisions have no notion of cost): use allocator: reach, or remove budget.target_acr / "
+                f"budget.target_causal_coverage"
             )
 
-    def budget(self) -> tuple[str, float] | None:
-        """``(measure, per-head budget)`` of the compute ceiling, or None."""
-        if self.target_acr is not None:
-            return "acr", float(self.target_acr)
-        if self.target_causal_coverage is not None:
-            return "causal_coverage", float(self.target_causal_coverage)
-        return None
+
+_CONTROLLER_BLOCKS = {
+    "need": NeedConfig,
+    "groups": GroupsConfig,
+    "allocation": AllocationConfig,
+    "budget": BudgetConfig,
+    "reach": ReachConfig,
+    "settle": SettleConfig,
+    "schedule": ScheduleConfig,
+}
 
 
 @dataclass
@@ -368,7 +571,9 @@ class AAHConfig:
 
     def settings(self) -> dict:
         """The settings as plain dicts, without the deprecated flat keys (what a checkpoint saves)."""
-        return {k: v for k, v in asdict(self).items() if k not in FLAT_POLICY_SETTINGS}
+        out = {k: v for k, v in asdict(self).items() if k not in FLAT_POLICY_SETTINGS}
+        out["controller"] = {k: v for k, v in out["controller"].items() if k not in FLAT_CONTROLLER_SETTINGS}
+        return out
 
     def resolved_candidates(self, seq_len: int) -> list[int]:
         if self.candidates is None:

@@ -36,12 +36,14 @@ def test_help_lists_the_choices(capsys):
     aah = _help(capsys, "--model.aah.help", "AAHConfig")
     # The allocator is a name of the controller's registry (the settings dataclass does not import it): its help
     # names each one.
-    allocator = aah[aah.index("  --model.aah.controller.allocator ALLOCATOR") :][:300]
+    allocator = aah[aah.index("  --model.aah.controller.allocation.allocator ALLOCATOR") :][:300]
     assert "``reach``" in allocator and "``paper``" in allocator
     for option in (
-        "grouping {cluster,none,fixed_random}",
-        "metric {euclidean,cosine}",
-        "feature_set {paper,reach,all}",
+        "groups.method {cluster,none,fixed_random}",
+        "groups.metric {euclidean,cosine}",
+        "groups.feature_set {paper,reach,all}",
+        "budget.scope {layer,model}",
+        "reach.formation_fill {knapsack,even}",
     ):
         assert f"--model.aah.controller.{option}" in aah
     # The policy is a registered name (a new policy needs no edit of the config class): its help lists them.
@@ -64,7 +66,9 @@ def test_every_setting_is_documented(capsys, args, prefix):
 
 def test_a_value_outside_the_choices_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--model.aah.controller.metric=manhattan", "--data.source=synthetic"])
+        main(["fit", "--model.aah.controller.groups.metric=manhattan", "--data.source=synthetic"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["aah: error: model.aah.controller.metric='manhattan' is not allowed: one of euclidean or cosine"]
+    assert err == [
+        "aah: error: model.aah.controller.groups.metric='manhattan' is not allowed: one of euclidean or cosine"
+    ]

@@ -63,7 +63,7 @@ def test_a_mistyped_setting_on_the_command_line_names_the_nearest_one(tmp_path, 
     # A field of a dataclass setting (jsonargparse reports only the part below model.aah)
     line = parse_refusal(tmp_path, capsys, "--model.aah.controller.warmup_stepz=3")
     assert line.startswith("aah: error: model.aah.controller.warmup_stepz is not a setting of aah fit: did you mean ")
-    assert "model.aah.controller.warmup_steps?" in line
+    assert "model.aah.controller.schedule.warmup_steps?" in line
 
 
 def test_a_mistyped_setting_in_a_config_file_names_the_file(tmp_path, capsys):
@@ -86,8 +86,8 @@ def test_a_value_of_the_wrong_type_names_the_setting_and_its_file(tmp_path, caps
     assert parse_refusal(tmp_path, capsys, data={"batch_size": "four"}) == (
         f"aah: error: data.batch_size='four' (set in {config}) is not allowed: a value of type int"
     )
-    assert parse_refusal(tmp_path, capsys, "--model.aah.controller.target_acr=half") == (
-        "aah: error: model.aah.controller.target_acr='half' is not allowed: a value of type float or null"
+    assert parse_refusal(tmp_path, capsys, "--model.aah.controller.budget.target_acr=half") == (
+        "aah: error: model.aah.controller.budget.target_acr='half' is not allowed: a value of type float or null"
     )
 
 
@@ -172,9 +172,9 @@ def test_a_controller_setting_under_a_policy_that_ignores_it_warns():
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4)
     gpt = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
     aah = AAHConfig(policy="random", candidates=[8, 16, 32])
-    aah.controller.target_acr = 0.5
+    aah.controller.budget.target_acr = 0.5
     assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == [
-        "model.aah.controller.target_acr=0.5 has no effect with model.aah.policy='random': only the adaptive policy "
+        "model.aah.controller.budget.target_acr=0.5 has no effect with model.aah.policy='random': only the adaptive policy "
         "reads model.aah.controller"
     ]
     aah.policy = "adaptive"  # the policy that reads it: no warning
@@ -432,9 +432,9 @@ ADAPTIVE = ("--model.aah.policy", "adaptive")
 @pytest.mark.parametrize(
     "setting, value, allowed",
     [
-        ("allocator", "greedy", "reach"),
-        ("feature_set", "everything", "paper, reach or all"),
-        ("grouping", "kmeans", "cluster, none or fixed_random"),
+        ("allocation.allocator", "greedy", "reach"),
+        ("groups.feature_set", "everything", "paper, reach or all"),
+        ("groups.method", "kmeans", "cluster, none or fixed_random"),
     ],
 )
 def test_unknown_controller_choice(tmp_path, capsys, setting, value, allowed):
@@ -444,15 +444,15 @@ def test_unknown_controller_choice(tmp_path, capsys, setting, value, allowed):
 
 @pytest.mark.parametrize("value", ["0", "1.5"])
 def test_coverage_target_outside_zero_one(tmp_path, capsys, value):
-    line = refuse(tmp_path, capsys, *ADAPTIVE, "--model.aah.controller.coverage_target", value)
-    assert f"model.aah.controller.coverage_target={float(value)}" in line and "(0, 1]" in line
+    line = refuse(tmp_path, capsys, *ADAPTIVE, "--model.aah.controller.allocation.coverage_target", value)
+    assert f"model.aah.controller.allocation.coverage_target={float(value)}" in line and "(0, 1]" in line
 
 
 @pytest.mark.parametrize("budget", ["target_acr", "target_causal_coverage"])
 def test_budget_below_the_smallest_windows_cost(tmp_path, capsys, budget):
     # Candidates [8, 16, 32] at seq_len 32: the smallest window alone costs well above 0.01 on either measure.
-    line = refuse(tmp_path, capsys, *ADAPTIVE, f"--model.aah.controller.{budget}", "0.01")
-    assert f"model.aah.controller.{budget}=0.01" in line and "smallest candidate window 8" in line
+    line = refuse(tmp_path, capsys, *ADAPTIVE, f"--model.aah.controller.budget.{budget}", "0.01")
+    assert f"model.aah.controller.budget.{budget}=0.01" in line and "smallest candidate window 8" in line
 
 
 # -- files and devices of aah predict, tools/generate.py, tools/inspect_windows.py and aah-prepare ----------------------

@@ -40,7 +40,10 @@ def test_a_llama_family_gpt_trains_with_windows_and_its_checkpoint_loads(tmp_pat
 
 def test_the_adaptive_controller_decides_on_a_gqa_model(tmp_path, tiny_args):
     """The controller's probe reads every query head (its Recording expands the key/value heads) under GQA."""
-    controller = ["--model.aah.controller.warmup_steps=3", "--model.aah.controller.control_interval=3"]
+    controller = [
+        "--model.aah.controller.schedule.warmup_steps=3",
+        "--model.aah.controller.schedule.control_interval=3",
+    ]
     gqa = ["--model.gpt.n_kv_head=1", "--model.aah.policy=adaptive", "--model.aah.candidates=[4,8,16,32]"]
     main(tiny_args(*gqa, *controller, steps=9))
     policy = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)[ck.POLICY_KEY]

@@ -36,16 +36,30 @@ WARMUP = 100
 ADAPTIVE_DELTAS = {
     "full_adaptive": {},
     "shuffle_post_select": {},
-    "grouping_off": {"grouping": "none", "depth": 1},
-    "shallow_freeze": {"depth": 1, "freeze_after": WARMUP},
-    "deep_practical_reuse": {"reuse_groups": True},
-    "fixed_random_grouping": {"grouping": "fixed_random"},
-    "no_feature_ema": {"ema_alpha": 0.0},
-    "no_parent_constraint": {"parent_constraint": False},
-    "control_interval_10": {"control_interval": 10},
-    "full_adaptive_paper_allocator": {"allocator": "paper"},
-    "shallow_freeze_paper_allocator": {"allocator": "paper", "depth": 1, "freeze_after": WARMUP},
+    "grouping_off": {"groups.method": "none", "groups.depth": 1},
+    "shallow_freeze": {"groups.depth": 1, "schedule.freeze_after": WARMUP},
+    "deep_practical_reuse": {"groups.reuse_groups": True},
+    "fixed_random_grouping": {"groups.method": "fixed_random"},
+    "no_feature_ema": {"need.ema_alpha": 0.0},
+    "no_parent_constraint": {"allocation.parent_constraint": False},
+    "control_interval_10": {"schedule.control_interval": 10},
+    "full_adaptive_paper_allocator": {"allocation.allocator": "paper"},
+    "shallow_freeze_paper_allocator": {
+        "allocation.allocator": "paper",
+        "groups.depth": 1,
+        "schedule.freeze_after": WARMUP,
+    },
 }
+
+
+def dotted(controller) -> dict:
+    """A controller's settings as ``{"block.name": value}``."""
+    return {
+        f"{block}.{k}": v
+        for block, values in asdict(controller).items()
+        if isinstance(values, dict)
+        for k, v in values.items()
+    }
 
 
 def rows(folder):
@@ -84,10 +98,10 @@ def test_the_scales():
     gpt = m["gpt"]
     assert (gpt["n_layer"], gpt["n_head"], gpt["n_embd"], paper["data"]["seq_len"]) == (16, 12, 1536, 4096)
     assert m["aah"]["candidates"] == [512, 1024, 2048, 4096]
-    assert (ctl["warmup_steps"], ctl["control_interval"]) == (WARMUP, 5)
+    assert (ctl["schedule"]["warmup_steps"], ctl["schedule"]["control_interval"]) == (WARMUP, 5)
     assert paper["trainer"]["precision"] == "bf16-mixed" and paper["trainer"]["accelerator"] == "gpu"
     assert cpu["data"]["seq_len"] >= 1024 and cpu["data"]["source"] == "stdlib" and paper["data"]["source"] == "stdlib"
-    assert cpu["model"]["aah"]["controller"]["warmup_steps"] == WARMUP
+    assert cpu["model"]["aah"]["controller"]["schedule"]["warmup_steps"] == WARMUP
     assert cpu["model"]["aah"]["candidates"][-1] == cpu["data"]["seq_len"]
 
 
@@ -102,7 +116,7 @@ def decide(policy, seed=0):
     )
     inner.measure = lambda model, tokens, doc_ids=None: x
     batch = {"tokens": torch.zeros(1, policy.seq_len + 1, dtype=torch.long)}
-    step = inner.settings.warmup_steps
+    step = inner.settings.schedule.warmup_steps
     table = policy.on_train_step(step, None, batch)
     assert inner.last_step == step
     return table if table is not None else policy.initial_table()
@@ -113,7 +127,7 @@ def test_every_row_builds_and_its_policy_makes_the_table_it_describes(folder, tm
     with open(f"{folder}/base.yaml") as f:
         base = yaml.safe_load(f)
     seq_len = base["data"]["seq_len"]
-    full = asdict(build(folder, "full_adaptive", tmp_path).model.aah_config.controller)
+    full = dotted(build(folder, "full_adaptive", tmp_path).model.aah_config.controller)
     for row in rows(folder):
         cli = build(folder, row, tmp_path)
         module, cfg = cli.model, cli.config
@@ -137,11 +151,11 @@ def test_every_row_builds_and_its_policy_makes_the_table_it_describes(folder, tm
             assert set(table.flatten().tolist()) <= set(cands) and len(set(table.flatten().tolist())) == len(cands)
         elif row == "random_windows":
             assert aah.policy == "random" and set(table.flatten().tolist()) <= set(cands)
-            assert aah.random.redraw_interval == full["control_interval"]
+            assert aah.random.redraw_interval == full["schedule.control_interval"]
             redrawn = policy.on_train_step(aah.random.redraw_interval, None, None)
             assert redrawn is not None and set(redrawn.flatten().tolist()) <= set(cands)
         else:
-            ctl = asdict(aah.controller)
+            ctl = dotted(aah.controller)
             delta = {k: v for k, v in ctl.items() if full[k] != v}
             assert delta == ADAPTIVE_DELTAS[row], row
             assert (table == seq_len).all()  # warmup: full context until the first decision
@@ -156,8 +170,10 @@ def test_every_row_builds_and_its_policy_makes_the_table_it_describes(folder, tm
                 assert not torch.equal(decided, chosen)  # 12 or 4 heads per layer: some window moved
             else:
                 assert aah.policy == "adaptive"
-            if ctl["grouping"] == "none":
+            if ctl["groups.method"] == "none":
                 assert all(h.levels == [[[i] for i in range(policy.n_head)]] for h in inner.hierarchies)
-            if ctl["freeze_after"] == WARMUP:  # shallow freeze: one decision, then never again
-                assert inner.is_control_step(WARMUP) and not inner.is_control_step(WARMUP + ctl["control_interval"])
-            assert max([h.levels_used for h in inner.hierarchies if h is not None], default=0) <= ctl["depth"]
+            if ctl["schedule.freeze_after"] == WARMUP:  # shallow freeze: one decision, then never again
+                assert inner.is_control_step(WARMUP) and not inner.is_control_step(
+                    WARMUP + ctl["schedule.control_interval"]
+                )
+            assert max([h.levels_used for h in inner.hierarchies if h is not None], default=0) <= ctl["groups.depth"]

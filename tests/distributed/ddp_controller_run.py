@@ -28,11 +28,11 @@ class Record(L.Callback):
         self.batches.append(int(batch["tokens"].sum()))
 
 
-REACH_GAIN = {"signal": "gain", "explorers": 1, "formation_steps": 6}
+REACH_GAIN = {"need": {"signal": "gain"}, "reach": {"explorers": 1, "formation_steps": 6}}
 MECHANISMS = {
     "mass": {},
     "reach_gain": REACH_GAIN,
-    "reach_gain_kept": {**REACH_GAIN, "reach_heads": 1},
+    "reach_gain_kept": {**REACH_GAIN, "reach": {**REACH_GAIN["reach"], "heads": 1}},
 }
 
 
@@ -40,8 +40,13 @@ def main(out_dir: str, mechanism: str = "mass") -> None:
     L.seed_everything(0)
     T = 64
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic={"documents": 200}, seed=0)
+    blocks = MECHANISMS[mechanism]
     controller = ControllerConfig(
-        warmup_steps=2, control_interval=3, probe_queries=16, target_acr=0.4, depth=2, **MECHANISMS[mechanism]
+        schedule={"warmup_steps": 2, "control_interval": 3},
+        need={"probe_queries": 16, **blocks.get("need", {})},
+        budget={"target_acr": 0.4},
+        groups={"depth": 2},
+        reach=blocks.get("reach", {}),
     )
     model = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=dm.vocab_size),

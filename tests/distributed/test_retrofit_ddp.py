@@ -18,12 +18,12 @@ pytestmark = pytest.mark.heavy  # every test here starts processes
 
 RETROFIT = [
     "--model.aah.policy=adaptive",
-    "--model.aah.controller.warmup_steps=0",
-    "--model.aah.controller.control_interval=3",  # steps 0 and 3
-    "--model.aah.controller.signal=gain",
-    "--model.aah.controller.target_acr=0.5",
-    "--model.aah.controller.budget_scope=model",
-    "--model.aah.controller.probe_queries=16",
+    "--model.aah.controller.schedule.warmup_steps=0",
+    "--model.aah.controller.schedule.control_interval=3",  # steps 0 and 3
+    "--model.aah.controller.need.signal=gain",
+    "--model.aah.controller.budget.target_acr=0.5",
+    "--model.aah.controller.budget.scope=model",
+    "--model.aah.controller.need.probe_queries=16",
 ]
 
 

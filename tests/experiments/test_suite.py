@@ -42,7 +42,7 @@ model:
     n_embd: 32
   aah:
     candidates: [4, 8, 16, 32]
-    controller: {warmup_steps: 2, control_interval: 2, depth: 2}
+    controller: {schedule: {warmup_steps: 2, control_interval: 2}, groups: {depth: 2}}
 data:
   source: synthetic
   seq_len: 32
@@ -52,7 +52,7 @@ data:
 ROWS = {
     "baseline": "model:\n  aah:\n    policy: full\n",
     # a compute ceiling makes the controller shorten windows even in a 6-step run
-    "full_adaptive": "model:\n  aah:\n    policy: adaptive\n    controller: {target_acr: 0.5}\n",
+    "full_adaptive": "model:\n  aah:\n    policy: adaptive\n    controller: {budget: {target_acr: 0.5}}\n",
 }
 SEEDS = [0, 1]
 

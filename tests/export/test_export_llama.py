@@ -249,7 +249,7 @@ def retrofitted(tmp_path_factory):
             "--data.global_batch_size=null",
             "--model.aah.candidates=null",  # T/8 .. T
             "--model.gpt.activation_checkpointing=false",
-            "--model.aah.controller.probe_sequences=2",
+            "--model.aah.controller.need.probe_sequences=2",
             "--model.optim.lr=1e-3",
             "--model.optim.warmup_steps=1",
         ]

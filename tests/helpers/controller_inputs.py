@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from aah_lightning.checkpoint import FLAT_CONTROLLER_SETTINGS
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.policy_base import make_policy
 from aah_lightning.windows.probe import ProbeResult
@@ -44,10 +45,21 @@ def constructed_probe(layers: list[list[torch.Tensor]], n_seq: int = 2, head_dim
     return ProbeResult(torch.arange(T), q, k, v, probs)
 
 
+def controller_settings(**settings) -> ControllerConfig:
+    """``ControllerConfig`` from settings named as one flat list (``target_acr=0.3, warmup_steps=0``), each placed in
+    its block (``budget.target_acr``, ``schedule.warmup_steps``): short test code, without the deprecation path that
+    a flat config takes."""
+    blocks: dict[str, dict] = {}
+    for key, value in settings.items():
+        block, name = FLAT_CONTROLLER_SETTINGS[key]
+        blocks.setdefault(block, {})[name] = value
+    return ControllerConfig(**blocks)
+
+
 def adaptive(n_layer: int, n_head: int, seq_len: int, candidates, **controller) -> AdaptivePolicy:  # noqa: F821
     settings = dict(warmup_steps=0, control_interval=1)
     settings.update(controller)
-    cfg = AAHConfig(policy="adaptive", candidates=list(candidates), controller=ControllerConfig(**settings))
+    cfg = AAHConfig(policy="adaptive", candidates=list(candidates), controller=controller_settings(**settings))
     return make_policy(cfg, n_layer, n_head, seq_len)
 
 

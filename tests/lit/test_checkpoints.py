@@ -233,7 +233,8 @@ def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
         shuffle={"redraw_interval": 1},
     )
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
-        aah.controller.warmup_steps, aah.controller.control_interval, aah.controller.probe_queries = 1, 1, 8
+        schedule, need = aah.controller.schedule, aah.controller.need
+        schedule.warmup_steps, schedule.control_interval, need.probe_queries = 1, 1, 8
     model = AAHModule(gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65), aah=aah)
     data = TextDataModule(source="synthetic", seq_len=32, batch_size=4, synthetic={"documents": 100})
     trainer = L.Trainer(

@@ -151,14 +151,17 @@ def test_validate_at_twice_the_trained_length(policy, backend, tmp_path, tiny_ar
     settings = {
         "full": [],
         "adaptive": [
-            "--model.aah.controller.warmup_steps=1",
-            "--model.aah.controller.control_interval=1",
-            "--model.aah.controller.target_acr=0.5",
+            "--model.aah.controller.schedule.warmup_steps=1",
+            "--model.aah.controller.schedule.control_interval=1",
+            "--model.aah.controller.budget.target_acr=0.5",
         ],
         "fixed": ["--model.aah.fixed.window=16"],
         "static": ["--model.aah.static.table=[[8,64,16,32],[64,8,8,16]]"],
         "random": ["--model.aah.random.redraw_interval=1"],
-        "shuffle": ["--model.aah.controller.warmup_steps=1", "--model.aah.controller.control_interval=1"],
+        "shuffle": [
+            "--model.aah.controller.schedule.warmup_steps=1",
+            "--model.aah.controller.schedule.control_interval=1",
+        ],
     }[policy]
     args = [
         f"--model.aah.policy={policy}",

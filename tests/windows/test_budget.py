@@ -8,12 +8,11 @@ import torch
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics
-from aah_lightning.windows.config import ControllerConfig
 from aah_lightning.windows.controller import budget
 from aah_lightning.windows.controller.allocators import LayerInputs, needed_index
 from aah_lightning.windows.groups import Hierarchy
 from aah_lightning.windows.metrics import window_costs
-from helpers.controller_inputs import adaptive, random_profiles, synthetic_features
+from helpers.controller_inputs import adaptive, controller_settings, random_profiles, synthetic_features
 
 
 def random_hierarchy(n_head: int, g: torch.Generator) -> Hierarchy:
@@ -281,16 +280,16 @@ def test_unreachable_run_mean_is_one_clear_error():
 @pytest.mark.parametrize(
     "settings, match",
     [
-        ({"budget_scope": "global"}, "budget_scope='global' is not allowed: layer or model"),
-        ({"budget_scope": "model"}, "budget_scope='model' is not allowed: only with a budget"),
-        ({"budget_over_run": True}, "budget_over_run=True is not allowed: only with a budget"),
+        ({"budget_scope": "global"}, r"budget\.scope='global' is not allowed: layer or model"),
+        ({"budget_scope": "model"}, r"budget\.scope='model' is not allowed: only with a budget"),
+        ({"budget_over_run": True}, r"budget\.over_run=True is not allowed: only with a budget"),
         ({"budget_scope": "model", "target_acr": 0.5, "allocator": "paper"}, "does not take a compute budget"),
-        ({"target_acr": 0.5, "allocator": "paper"}, "allocator='paper' does not take a compute budget"),
+        ({"target_acr": 0.5, "allocator": "paper"}, r"allocation\.allocator='paper' does not take a compute budget"),
     ],
 )
 def test_budget_settings_are_checked(settings, match):
     with pytest.raises(ConfigError, match=match):
-        ControllerConfig(**settings).validate([4, 8, 16, 32], 32, 4)
+        controller_settings(**settings).validate([4, 8, 16, 32], 32, 4)
 
 
 def test_integer_costs_are_the_measures_numerators():
@@ -324,13 +323,13 @@ def test_a_real_run_pays_its_target_on_average(tmp_path, tiny_args):
         tiny_args(
             "--model.aah.policy=adaptive",
             "--model.aah.candidates=[4,8,16,32]",
-            "--model.aah.controller.warmup_steps=2",
-            "--model.aah.controller.control_interval=2",
-            "--model.aah.controller.coverage_target=1.0",
-            "--model.aah.controller.target_acr=0.4",
-            "--model.aah.controller.budget_scope=model",
-            "--model.aah.controller.budget_over_run=true",
-            "--model.aah.controller.settle_margin=0",  # every decision spends its ceiling (settling may spend less)
+            "--model.aah.controller.schedule.warmup_steps=2",
+            "--model.aah.controller.schedule.control_interval=2",
+            "--model.aah.controller.allocation.coverage_target=1.0",
+            "--model.aah.controller.budget.target_acr=0.4",
+            "--model.aah.controller.budget.scope=model",
+            "--model.aah.controller.budget.over_run=true",
+            "--model.aah.controller.settle.margin=0",  # every decision spends its ceiling (settling may spend less)
             "--diagnostics.every_n_steps=1",
             steps=12,
         )

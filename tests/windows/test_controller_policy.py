@@ -6,6 +6,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from aah_lightning.checkpoint import FLAT_CONTROLLER_SETTINGS
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model.config import GPTConfig
@@ -13,7 +14,7 @@ from aah_lightning.model.gpt import GPT
 from aah_lightning.windows.config import AAHConfig, ControllerConfig
 from aah_lightning.windows.controller.adaptive import AdaptivePolicy
 from aah_lightning.windows.policy_base import POLICIES, make_policy
-from helpers.controller_inputs import adaptive, synthetic_features
+from helpers.controller_inputs import adaptive, controller_settings, synthetic_features
 
 T = 64
 CANDS = [4, 8, 16, 32, 64]
@@ -43,7 +44,7 @@ class FeatureFeed(AdaptivePolicy):
 def feed_policy(n_layer=1, n_head=6, **controller) -> FeatureFeed:
     settings = dict(warmup_steps=0, control_interval=1)
     settings.update(controller)
-    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(**settings))
+    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=controller_settings(**settings))
     cfg.validate(T, n_layer, n_head)
     return FeatureFeed(cfg, n_layer, n_head, T)
 
@@ -121,7 +122,7 @@ def test_grouping_none_and_fixed_random():
             policy="adaptive",
             candidates=CANDS,
             seed=seed,
-            controller=ControllerConfig(grouping="fixed_random", random_groups=3, warmup_steps=0, depth=1),
+            controller=controller_settings(grouping="fixed_random", random_groups=3, warmup_steps=0, depth=1),
         )
         p = FeatureFeed(cfg, 4, 6, T)
         x = synthetic_features(p, torch.stack([LOCAL, LOCAL, LOCAL, FAR, FAR, MID]).expand(4, 6, 5))
@@ -157,18 +158,19 @@ def test_grouping_none_and_fixed_random():
     ],
 )
 def test_bad_settings_name_the_setting(settings, name):
-    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(**settings))
-    with pytest.raises(ConfigError, match=rf"model\.aah\.controller\.{name}"):
+    cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=controller_settings(**settings))
+    block, field = FLAT_CONTROLLER_SETTINGS[name]  # the setting's place in the controller's blocks
+    with pytest.raises(ConfigError, match=rf"model\.aah\.controller\.{block}\.{field}"):
         make_policy(cfg, 2, 6, T)
 
 
 def test_settings_travel_as_plain_dicts():
-    aah = AAHConfig(policy="adaptive", controller=ControllerConfig(depth=3, target_acr=0.4))
+    aah = AAHConfig(policy="adaptive", controller=controller_settings(depth=3, target_acr=0.4))
     again = AAHConfig(**asdict(aah))
     assert again == aah and isinstance(again.controller, ControllerConfig)
     module = AAHModule(gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T), aah=asdict(aah))
-    assert isinstance(module.policy, AdaptivePolicy) and module.policy.settings.depth == 3
-    assert module.hparams["aah"]["controller"]["target_acr"] == 0.4
+    assert isinstance(module.policy, AdaptivePolicy) and module.policy.settings.groups.depth == 3
+    assert module.hparams["aah"]["controller"]["budget"]["target_acr"] == 0.4
 
 
 # -- checkpoint round trip on a real (tiny) model --------------------------------------------------------------------
@@ -196,7 +198,7 @@ def _fresh(grouping):
         policy="adaptive",
         candidates=CANDS,
         seed=3,
-        controller=ControllerConfig(
+        controller=controller_settings(
             grouping=grouping,
             warmup_steps=2,
             control_interval=3,

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.lit.module import AAHModule, OptimConfig
 from aah_lightning.model.config import GPTConfig
-from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.config import AAHConfig
+from helpers.controller_inputs import controller_settings
 
 T = 64
 STEPS, STOP = 14, 7
@@ -62,7 +63,7 @@ MECHANISMS = {
 def run(ckpt_path=None, stop_at=None, mechanism="mass"):
     L.seed_everything(0)
     dm = StepData()
-    controller = ControllerConfig(
+    controller = controller_settings(
         warmup_steps=2,
         control_interval=3,
         probe_queries=16,

@@ -64,7 +64,7 @@ def test_a_real_change_still_moves_windows(budget):
     moved = base.clone()
     moved[:, 1] = torch.tensor([0.05, 0.1, 0.15, 0.2, 1.0], dtype=torch.float64)  # head 1 now needs the whole context
     moved[:, 3] = 1.0  # head 3 now needs only 4 tokens
-    policy.settings.ema_alpha = 0.0  # the change arrives at once
+    policy.settings.need.ema_alpha = 0.0  # the change arrives at once
     after = policy.decide(synthetic_features(policy, moved), step=2)
     assert not torch.equal(before, after)
     cand = torch.tensor(CANDS)

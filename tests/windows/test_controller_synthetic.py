@@ -14,8 +14,9 @@ import torch
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.module import AAHModule, OptimConfig
 from aah_lightning.model.config import GPTConfig
-from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.probe import run_probe
+from helpers.controller_inputs import controller_settings
 
 T = 32
 COPY = T // 2 - 1  # query-key distance of the token to copy
@@ -29,7 +30,7 @@ def test_copying_heads_get_the_long_windows_and_the_rest_short_ones(scope):
     dm = TextDataModule(
         source="synthetic", seq_len=T, batch_size=16, synthetic={"documents": 20000}, seed=0, test_fraction=0.0
     )
-    controller = ControllerConfig(warmup_steps=150, control_interval=50, target_acr=0.35, budget_scope=scope)
+    controller = controller_settings(warmup_steps=150, control_interval=50, target_acr=0.35, budget_scope=scope)
     module = AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=64, seq_len=T, vocab_size=dm.vocab_size, backend="sdpa"),
         aah=AAHConfig(policy="adaptive", candidates=[4, 8, 16, 32], controller=controller),

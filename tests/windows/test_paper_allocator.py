@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 
 from aah_lightning.cli import main
-from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller.allocators import LayerInputs
 from aah_lightning.windows.controller.paper_allocator import PaperAllocator
 from aah_lightning.windows.controller.registry import ALLOCATORS, make_allocator
 from aah_lightning.windows.groups import Hierarchy
 from aah_lightning.windows.policy_base import make_policy
-from helpers.controller_inputs import random_profiles, synthetic_features
+from helpers.controller_inputs import controller_settings, random_profiles, synthetic_features
 
 CANDS = [8, 16, 32, 64]
 T = 64
@@ -114,8 +114,8 @@ def reference_decision(alloc: PaperAllocator, inputs: LayerInputs, joint: bool) 
 
 def test_registered_and_built_with_the_reference_shapes():
     assert ALLOCATORS["paper"] is PaperAllocator
-    ctl = ControllerConfig(allocator="paper")
-    alloc = make_allocator(ctl, 3, CANDS, seed=0)
+    ctl = controller_settings(allocator="paper")
+    alloc = make_allocator(ctl.allocation, 3, CANDS, seed=0)
     assert len(alloc.layers) == 3
     shapes = {k: tuple(v.shape) for k, v in alloc.layers[0].items()}
     assert shapes == {
@@ -208,9 +208,9 @@ def test_weights_are_untouched_by_training_and_outside_the_optimizer(tmp_path, t
             "--model.aah.policy=adaptive",
             "--model.aah.candidates=[4,8,16,32]",
             "--model.aah.seed=5",
-            "--model.aah.controller.allocator=paper",
-            "--model.aah.controller.warmup_steps=2",
-            "--model.aah.controller.control_interval=2",
+            "--model.aah.controller.allocation.allocator=paper",
+            "--model.aah.controller.schedule.warmup_steps=2",
+            "--model.aah.controller.schedule.control_interval=2",
             steps=6,
         )
     )
@@ -240,7 +240,7 @@ def test_policy_state_round_trips_and_a_resumed_policy_decides_identically():
             policy="adaptive",
             candidates=CANDS,
             seed=seed,
-            controller=ControllerConfig(allocator="paper", depth=3, warmup_steps=0, control_interval=1),
+            controller=controller_settings(allocator="paper", depth=3, warmup_steps=0, control_interval=1),
         )
         return make_policy(cfg, 2, 8, T)
 

@@ -166,8 +166,10 @@ def test_an_unknown_allocator_is_refused_by_the_controller(tiny_args, capsys):
     from helpers.cli import cli_error
 
     with pytest.raises(
-        ConfigError, match=r"model\.aah\.controller\.allocator='greedy' is not allowed: one of paper, reach"
+        ConfigError, match=r"model\.aah\.controller\.allocation\.allocator='greedy' is not allowed: one of paper, reach"
     ):
-        make_policy(AAHConfig("adaptive", controller={"allocator": "greedy"}), 2, 3, 64)
-    code, line = cli_error(tiny_args("--model.aah.policy=adaptive", "--model.aah.controller.allocator=greedy"), capsys)
-    assert code == 2 and "model.aah.controller.allocator='greedy'" in line, line
+        make_policy(AAHConfig("adaptive", controller={"allocation": {"allocator": "greedy"}}), 2, 3, 64)
+    code, line = cli_error(
+        tiny_args("--model.aah.policy=adaptive", "--model.aah.controller.allocation.allocator=greedy"), capsys
+    )
+    assert code == 2 and "model.aah.controller.allocation.allocator='greedy'" in line, line

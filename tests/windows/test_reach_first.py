@@ -17,6 +17,7 @@ from aah_lightning.windows.controller.budget import allocate_within_budget
 from aah_lightning.windows.controller.gain import run_gain_probe
 from aah_lightning.windows.groups import Hierarchy
 from aah_lightning.windows.policy_base import make_policy
+from helpers.controller_inputs import controller_settings
 
 T, VOCAB, DISTANCE, HEADS = 32, 16, 20, 4
 CANDS = [4, 8, 16, 32]
@@ -62,7 +63,7 @@ def tiny_model(seed: int = 0) -> GPT:
 
 
 def reach_first(signal: str, formation: int = 100, target: float = 0.35) -> ControllerConfig:
-    return ControllerConfig(
+    return controller_settings(
         signal=signal,
         explorers=1,
         formation_steps=formation,
@@ -147,19 +148,21 @@ def test_gain_values_are_not_capped_by_coverage():
 def test_reach_first_settings_are_checked():
     def check(**kw):
         base = dict(target_acr=0.35, budget_scope="model", budget_over_run=True, warmup_steps=0)
-        cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(**{**base, **kw}))
+        cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=controller_settings(**{**base, **kw}))
         make_policy(cfg, 1, HEADS, T)
 
-    with pytest.raises(ConfigError, match="model.aah.controller.explore_window"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.explore_window"):
         check(explorers=1, formation_steps=10, explore_window=20)
-    with pytest.raises(ConfigError, match="model.aah.controller.formation_steps"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.formation_steps"):
         check(explorers=1, formation_steps=0)
-    with pytest.raises(ConfigError, match="model.aah.controller.explorers"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.explorers"):
         check(explorers=5, formation_steps=10)
-    with pytest.raises(ConfigError, match="model.aah.controller.signal"):
+    with pytest.raises(ConfigError, match="model.aah.controller.need.signal"):
         check(signal="attention")
     with pytest.raises(ConfigError, match="only with a budget"):
-        AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(signal="gain")).validate(T, 1, HEADS)
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=controller_settings(signal="gain")).validate(
+            T, 1, HEADS
+        )
     # Explorers that cannot fit the run's budget are refused before training, naming formation_steps.
     cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=reach_first("mass", formation=290, target=0.2))
     policy = make_policy(cfg, 1, HEADS, T)
@@ -205,7 +208,7 @@ def test_even_fill_holds_one_window_for_the_other_heads_while_the_explorers_form
     measured; afterwards the knapsack decides, and the explorer's learned reach stays."""
     model = tiny_model()
     ctl = reach_first("gain", formation=100, target=0.5)
-    ctl.formation_fill = "even"
+    ctl.reach.formation_fill = "even"
     policy = make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl), 1, HEADS, T)
     policy.set_run_length(250)
     assert policy.initial_table().tolist() == [[32, 8, 8, 8]]
@@ -214,15 +217,15 @@ def test_even_fill_holds_one_window_for_the_other_heads_while_the_explorers_form
     assert all(t.tolist() == [[32, 8, 8, 8]] for t in tables[:100])
     assert policy.last_need is not None and policy.decisions == 10  # steps 0, 25, ..., 225
     assert loss < 0.1 and int(tables[-1][0].max()) > DISTANCE
-    with pytest.raises(ConfigError, match="model.aah.controller.formation_fill"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.formation_fill"):
         bad = reach_first("gain")
-        bad.formation_fill = "random"
+        bad.reach.formation_fill = "random"
         make_policy(AAHConfig(policy="adaptive", candidates=CANDS, controller=bad), 1, HEADS, T)
 
 
 def kept_reach_controller(reach_heads: int, target: float = 0.35) -> ControllerConfig:
     """A retrofit's controller: the first decision at step 0 from the trained model, one budget for the model."""
-    return ControllerConfig(
+    return controller_settings(
         signal="gain",
         warmup_steps=0,
         control_interval=25,
@@ -270,7 +273,7 @@ def test_kept_reach_trades_heads_of_partial_reach_for_one_head_of_full_reach():
     # reach window) is replaced however little the move gains, while without kept reach it stays.
     for reach_heads, expected in ((0, [[16, 16, 16, 16], [128, 64, 128, 128]]), (1, [[16] * 4, [32, 256, 32, 128]])):
         ctl = kept_reach_controller(reach_heads, target=0.25)
-        ctl.settle_margin = 0.5  # no move gains half a nat per head here
+        ctl.settle.margin = 0.5  # no move gains half a nat per head here
         policy = make_policy(AAHConfig(policy="adaptive", candidates=cands, controller=ctl), 2, 4, T)
         policy.table = torch.tensor([[16, 16, 16, 16], [128, 64, 128, 128]], dtype=torch.int32)
         x = torch.zeros(2, 4, policy.layout.packed_size, dtype=torch.float64)
@@ -302,29 +305,31 @@ def test_kept_reach_holds_the_head_that_needs_it_through_a_fine_tune():
 def test_kept_reach_settings_are_checked():
     def check(**kw):
         ctl = kept_reach_controller(kw.pop("reach_heads", 1), target=kw.pop("target", 0.35))
-        for k, v in kw.items():
-            setattr(ctl, k, v)
+        if "reach_window" in kw:
+            ctl.reach.window = kw.pop("reach_window")
         AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl).validate(T, 1, HEADS)
 
     check()
     check(reach_window=16)
-    with pytest.raises(ConfigError, match="model.aah.controller.reach_heads"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.heads"):
         check(reach_heads=5)
-    with pytest.raises(ConfigError, match="model.aah.controller.reach_window=20"):
+    with pytest.raises(ConfigError, match="model.aah.controller.reach.window=20"):
         check(reach_window=20)
-    with pytest.raises(ConfigError, match=r"reach_window=32 does not fit the budget.*the widest that fits is 16"):
+    with pytest.raises(ConfigError, match=r"reach\.window=32 does not fit the budget.*the widest that fits is 16"):
         check(reach_window=32, target=0.3)  # 32 + 3 x 4 = 44 > 0.3 x 128; 16 + 12 = 28 fits
-    with pytest.raises(ConfigError, match="reach_heads=4.*no window wider than the narrowest"):
+    with pytest.raises(ConfigError, match=r"reach\.heads=4.*no window wider than the narrowest"):
         check(reach_heads=4, target=0.125)  # 4 x 4 = 16 = 0.125 x 128: nothing wider fits
     with pytest.raises(ConfigError, match="only with a budget"):
-        AAHConfig(policy="adaptive", candidates=CANDS, controller=ControllerConfig(reach_heads=1)).validate(T, 1, HEADS)
+        AAHConfig(policy="adaptive", candidates=CANDS, controller=controller_settings(reach_heads=1)).validate(
+            T, 1, HEADS
+        )
 
 
 def test_kept_reach_decides_the_same_after_a_checkpoint():
     """Which head keeps reach is derived from the smoothed need in the policy's state, so a policy restored from
     ``state_dict`` makes the same decisions as the one that went on (reach first, then kept reach)."""
     ctl = reach_first("gain", formation=50, target=0.35)
-    ctl.reach_heads = 1
+    ctl.reach.heads = 1
     cfg = AAHConfig(policy="adaptive", candidates=CANDS, controller=ctl)
     policy = make_policy(cfg, 1, HEADS, T)
     policy.set_run_length(200)

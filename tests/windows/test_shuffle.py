@@ -4,10 +4,10 @@ import io
 
 import torch
 
-from aah_lightning.windows.config import AAHConfig, ControllerConfig
+from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import POLICIES, make_policy
 from aah_lightning.windows.shuffle import ShufflePolicy
-from helpers.controller_inputs import synthetic_features
+from helpers.controller_inputs import controller_settings, synthetic_features
 
 T = 64
 CANDS = [4, 8, 16, 32, 64]
@@ -22,7 +22,7 @@ def make(policy="shuffle", seed=0, redraw_interval=0, **controller):
         candidates=CANDS,
         seed=seed,
         redraw_interval=redraw_interval,
-        controller=ControllerConfig(**settings),
+        controller=controller_settings(**settings),
     )
     return make_policy(cfg, 2, 6, T)
 

@@ -36,10 +36,10 @@ def controller_args(tiny_args, signal, *extra):
     return tiny_args(
         "--model.aah.policy=adaptive",
         f"--model.aah.candidates={CANDIDATES}",
-        f"--model.aah.controller.signal={signal}",
-        "--model.aah.controller.warmup_steps=1",
-        "--model.aah.controller.control_interval=1",
-        "--model.aah.controller.ema_alpha=0.5",
+        f"--model.aah.controller.need.signal={signal}",
+        "--model.aah.controller.schedule.warmup_steps=1",
+        "--model.aah.controller.schedule.control_interval=1",
+        "--model.aah.controller.need.ema_alpha=0.5",
         *extra,
         steps=4,
     )
@@ -51,7 +51,7 @@ def test_the_documented_signal_trains_through_the_cli_and_decides(signal, tiny_a
     ckpt = torch.load(f"{dirpath}/last.ckpt", weights_only=True)
     state = ckpt["aah_policy"]
     assert state["decisions"] == 3  # steps 1, 2 and 3
-    assert ckpt["hyper_parameters"]["aah"]["controller"]["signal"] == signal
+    assert ckpt["hyper_parameters"]["aah"]["controller"]["need"]["signal"] == signal
     # The need that decided the last table is a mass share per candidate (1 at the whole context) and is not the
     # smoothed profile the built-in mass signal would have used: the example's own need decided.
     need = state["last_need"]
@@ -65,4 +65,4 @@ def test_an_unknown_signal_is_one_line(signal, capsys, tiny_args):
     code, line = cli_error(controller_args(tiny_args, "my_signals:nearest"), capsys)
     assert code == 2 and "registers no need signal named 'nearest'" in line
     code, line = cli_error(controller_args(tiny_args, "attention"), capsys)
-    assert code == 2 and "model.aah.controller.signal='attention' is not allowed: one of mass, gain" in line
+    assert code == 2 and "model.aah.controller.need.signal='attention' is not allowed: one of mass, gain" in line

@@ -48,13 +48,14 @@ class AdaptivePolicy(WindowPolicy):
         super().__init__(cfg, n_layer, n_head, seq_len)
         self.settings = c = cfg.controller
         self.layout = features.FeatureLayout(len(self.candidates))
-        self.allocator = make_allocator(c, n_layer, self.candidates, cfg.seed)
-        self.signal = signal_class(c.signal)(c, self.candidates, seq_len)
-        self.budget = Budget(c, self.candidates, seq_len, n_layer)
-        self.reach_first = reach.ReachFirst(c, self.candidates, n_layer, n_head, self.budget.table_cost)
-        self.grouper = Grouper(c, n_layer, n_head, cfg.seed + 1)
+        self.allocator = make_allocator(c.allocation, n_layer, self.candidates, cfg.seed)
+        self.signal = signal_class(c.need.signal)(c.need, self.candidates, seq_len)
+        self.budget = Budget(c.budget, self.candidates, seq_len, n_layer)
+        self.reach_first = reach.ReachFirst(c.reach, self.candidates, n_layer, n_head, self.budget.table_cost)
+        self.grouper = Grouper(c.groups, n_layer, n_head, cfg.seed + 1)
         # Level l of the hierarchy is cut at threshold * growth**l.
-        self.thresholds = [c.threshold * c.threshold_growth**lvl for lvl in range(c.depth)]
+        g = c.groups
+        self.thresholds = [g.threshold * g.threshold_growth**lvl for lvl in range(g.depth)]
         # Controller state (all of it in state_dict).
         self.probe_generator = torch.Generator().manual_seed(cfg.seed)
         self.ema: Tensor | None = None  # [L, H, F] float64
@@ -71,22 +72,24 @@ class AdaptivePolicy(WindowPolicy):
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         c, candidates = cfg.controller, cfg.resolved_candidates(seq_len)
         require(  # the registry is the controller's own: the settings' dataclass does not know it
-            c.allocator in ALLOCATORS,
-            "model.aah.controller.allocator",
-            c.allocator,
+            c.allocation.allocator in ALLOCATORS,
+            "model.aah.controller.allocation.allocator",
+            c.allocation.allocator,
             f"one of {', '.join(sorted(ALLOCATORS))}",
         )
-        signal = signal_class(c.signal)  # a registered name or module:name, else one error line
+        signal = signal_class(c.need.signal)  # a registered name or module:name, else one error line
         c.validate(candidates, seq_len, n_head)
+        target = c.budget.target()
         require(  # a need that is not a mass share has no coverage target to stop at: only a budget limits reach
-            signal.capped or c.budget() is not None,
-            "model.aah.controller.signal",
-            c.signal,
+            signal.capped or target is not None,
+            "model.aah.controller.need.signal",
+            c.need.signal,
             "only with a budget (target_acr or target_causal_coverage): without one nothing limits reach",
         )
-        if c.reach_heads and c.budget() is not None:  # the kept reach must fit the target beside the narrowest rest
-            costs = Budget(c, candidates, seq_len, n_layer).costs
-            reach.check_kept_reach_fits(c, candidates, costs, n_head * (n_layer if c.budget_scope == "model" else 1))
+        if c.reach.heads and target is not None:  # the kept reach must fit the target beside the narrowest rest
+            costs = Budget(c.budget, candidates, seq_len, n_layer).costs
+            unit = n_head * (n_layer if c.budget.scope == "model" else 1)
+            reach.check_kept_reach_fits(c.reach, target[1], candidates, costs, unit)
 
     @property
     def partitions(self) -> list:
@@ -100,16 +103,13 @@ class AdaptivePolicy(WindowPolicy):
         """Full context until the first decision; with explorers (reach first), the explorer table from step 0."""
         if not self.reach_first.on:
             return super().initial_table()
-        if self.settings.formation_fill == "even":
+        if self.settings.reach.formation_fill == "even":
             return self.reach_first.table(self.reach_first.even_fill(self.budget.target[1]))
         return self.reach_first.table()
 
     # -- schedule ----------------------------------------------------------------------------------------------------
     def is_control_step(self, step: int) -> bool:
-        c = self.settings
-        if step < c.warmup_steps or (c.freeze_after is not None and step > c.freeze_after):
-            return False
-        return (step - c.warmup_steps) % c.control_interval == 0
+        return self.settings.schedule.is_control_step(step)
 
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
@@ -128,8 +128,8 @@ class AdaptivePolicy(WindowPolicy):
             model,
             tokens,
             doc_ids,
-            n_sequences=self.settings.probe_sequences,
-            n_queries=self.settings.probe_queries,
+            n_sequences=self.settings.need.probe_sequences,
+            n_queries=self.settings.need.probe_queries,
             generator=self.probe_generator,
         )
         return self.rank_mean(features.probe_features(probe, self.candidates))
@@ -158,27 +158,27 @@ class AdaptivePolicy(WindowPolicy):
         The pipeline of docs/controller.md: smooth, need, ceiling, (explorers), kept reach, group, allocate, settle."""
         x = x.to(torch.float64)
         probe = self.signal.features(x)[..., : self.layout.size]
-        self.ema = smooth(self.ema, probe, self.settings.ema_alpha)
+        self.ema = smooth(self.ema, probe, self.settings.need.ema_alpha)
         need, noise, capped = self.signal.need(x, self.profiles(self.ema))
         ceiling, forming = self.budget.ceiling(step), self.reach_first.forming(step)
-        if forming and self.settings.formation_fill == "even":  # the signals are smoothed, the table is set
+        if forming and self.settings.reach.formation_fill == "even":  # the signals are smoothed, the table is set
             return self._record(self.reach_first.table(self.reach_first.even_fill(ceiling)), step, probe, need)
         kept = {}
-        if not forming and self.settings.reach_heads and ceiling is not None:
+        if not forming and self.settings.reach.heads and ceiling is not None:
             kept = reach.kept_reach(
-                need, ceiling, self.budget.units(), self.budget.costs, self.candidates, self.settings
+                need, ceiling, self.budget.units(), self.budget.costs, self.candidates, self.settings.reach
             )
         before = (list(self.grouper.partitions), list(self.hierarchies), list(self.group_windows))
         inputs = [self.layer_inputs(layer, need, noise, capped, forming, kept) for layer in range(self.n_layer)]
         if ceiling is not None:
-            chosen = allocate_within_budget(inputs, self.budget.measure, ceiling, self.settings.budget_scope)
+            chosen = allocate_within_budget(inputs, self.budget.measure, ceiling, self.settings.budget.scope)
         else:
             chosen = [self.allocator(one) for one in inputs]
         table = self.write_table(inputs, chosen)
         if ceiling is not None and self.table is not None:
             for layers in settling.kept_units(
                 self.table, table, need, noise, ceiling, self.budget.units(), self.candidates,
-                self.budget.table_cost, self.settings.settle_margin, kept,
+                self.budget.table_cost, self.settings.settle.margin, kept,
             ):  # fmt: skip
                 table[layers] = self.table[layers]
                 for layer in layers:  # the table in force stays, and so do its groups
@@ -189,9 +189,9 @@ class AdaptivePolicy(WindowPolicy):
     def layer_inputs(self, layer: int, need: Tensor, noise: Tensor, capped: bool, forming: bool, kept: dict):
         """What the allocation of ``layer`` reads: its hierarchy of head groups (explorers and kept heads alone in
         theirs), its need and settle bands, the table in force and the heads' floors."""
-        c = self.settings
-        z = features.clustering_matrix(self.ema[layer], c.feature_set, self.candidates, self.seq_len, c.feature_floor)
-        d = pairwise_distances(z, c.metric)
+        c, g = self.settings, self.settings.groups
+        z = features.clustering_matrix(self.ema[layer], g.feature_set, self.candidates, self.seq_len, g.feature_floor)
+        d = pairwise_distances(z, g.metric)
         level0 = self.grouper.level0(layer, d, self.reach_first.apart(forming, layer, kept))
         held = None if self.table is None else torch.searchsorted(self.candidate_tensor, self.table[layer]).tolist()
         return LayerInputs(
@@ -200,11 +200,11 @@ class AdaptivePolicy(WindowPolicy):
             features=self.ema[layer],
             candidates=self.candidates,
             seq_len=self.seq_len,
-            coverage_target=c.coverage_target,
-            parent_constraint=c.parent_constraint,
+            coverage_target=c.allocation.coverage_target,
+            parent_constraint=c.allocation.parent_constraint,
             layer=layer,
             current=held,
-            settle_margin=settling.settle_bands(noise[layer], c.settle_margin),
+            settle_margin=settling.settle_bands(noise[layer], c.settle.margin),
             floors=self.reach_first.floors(forming, layer, kept),
             capped=capped,
         )
@@ -218,7 +218,7 @@ class AdaptivePolicy(WindowPolicy):
         windows are kept for the diagnostics."""
         table = torch.empty(self.n_layer, self.n_head, dtype=torch.int32)
         for layer, (one, chosen_layer) in enumerate(zip(inputs, chosen)):
-            if self.settings.parent_constraint:
+            if self.settings.allocation.parent_constraint:
                 _check_parent_constraint(one.hierarchy, chosen_layer)
             for group, idx in zip(one.hierarchy.levels[0], chosen_layer[0]):
                 table[layer, group] = self.candidates[idx]
@@ -241,13 +241,14 @@ class AdaptivePolicy(WindowPolicy):
         ``budget_over_run``, a target the run cannot meet is an error now, before any step."""
         self.budget.run_steps = int(total_steps)
         if not self.decisions:  # a resumed run was checked when it started
-            explorers = self.budget.table_cost(self.reach_first.table()) if self.reach_first.on else None
-            self.budget.check_run(explorers)
+            c = self.settings
+            explorers = (c.reach.formation_steps, self.budget.table_cost(self.reach_first.table()))
+            self.budget.check_run(c.schedule.warmup_steps, explorers if self.reach_first.on else None)
 
     # -- for callbacks -----------------------------------------------------------------------------------------------
     def report(self) -> PolicyReport:
         out = _report(self.candidates, self.last_step, self.hierarchies, self.group_windows)
-        out.need, out.need_signal = self.last_need, self.settings.signal
+        out.need, out.need_signal = self.last_need, self.settings.need.signal
         return out
 
     @classmethod

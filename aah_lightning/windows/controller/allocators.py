@@ -2,7 +2,7 @@
 
 An allocator is a callable ``(LayerInputs) -> list[list[int]]``: for every level, the candidate index chosen for
 every group of that level. The policy maps level-0 groups to their heads and checks the parent constraint.
-``registry.py`` holds ``ALLOCATORS``, the registry read by ``model.aah.controller.allocator``.
+``registry.py`` holds ``ALLOCATORS``, the registry read by ``model.aah.controller.allocation.allocator``.
 
 * ``reach`` (default): a group's window is the smallest candidate whose share of the group's full-causal attention
   mass reaches ``coverage_target``, and a child is never wider than its parent. Under a compute ceiling

@@ -1,8 +1,9 @@
-"""The budget of each decision: its measure, the cost of a table, the units that share it, and the ceiling.
+"""The budget of each decision (``model.aah.controller.budget``): its measure, the cost of a table, the units that
+share it, and the ceiling.
 
-``target_acr`` / ``target_causal_coverage`` set a per-head target; ``budget_scope`` says whether each layer or the
-whole model shares it (the units of ``units``). The ceiling of a decision is the target itself or, with
-``budget_over_run: true`` (``RunSpend``), what the remaining steps may still spend on average so that the run's mean,
+``target_acr`` / ``target_causal_coverage`` set a per-head target; ``scope`` says whether each layer or the whole
+model shares it (the units of ``units``). The ceiling of a decision is the target itself or, with ``over_run: true``
+(``RunSpend``), what the remaining steps may still spend on average so that the run's mean,
 the full-context warmup included, lands on the target. ``budget.py`` then chooses the windows within the ceiling.
 """
 
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics
+from aah_lightning.windows.config import BudgetConfig
 
 
 class RunSpend:
@@ -45,12 +47,12 @@ class RunSpend:
 
 
 class Budget:
-    """The controller's compute budget (``settings.budget()``: a measure and a per-head target; None: no budget, and
-    tables are costed by ACR). ``spend`` counts what the run paid, from the cost of ``initial_table``."""
+    """The controller's compute budget (``settings``: ``BudgetConfig``, a measure and a per-head target; None: no
+    budget, and tables are costed by ACR). ``spend`` counts what the run paid, from the cost of the first table."""
 
-    def __init__(self, settings, candidates: list[int], seq_len: int, n_layer: int):
+    def __init__(self, settings: BudgetConfig, candidates: list[int], seq_len: int, n_layer: int):
         self.settings, self.seq_len, self.n_layer = settings, seq_len, n_layer
-        self.target = settings.budget()  # (measure, per-head target) or None
+        self.target = settings.target()  # (measure, per-head target) or None
         self.costs: Tensor | None = (
             None if self.target is None else metrics.window_costs(candidates, seq_len, self.target[0])
         )
@@ -73,42 +75,42 @@ class Budget:
         return float(metrics.acr(table, self.seq_len))
 
     def units(self) -> list[list[int]]:
-        """The layers that share one budget: all of them with ``budget_scope: model``, else each layer alone."""
-        if self.settings.budget_scope == "model":
+        """The layers that share one budget: all of them with ``scope: model``, else each layer alone."""
+        if self.settings.scope == "model":
             return [list(range(self.n_layer))]
         return [[layer] for layer in range(self.n_layer)]
 
     def ceiling(self, step: int) -> float | None:
-        """The per-head budget of the decision at ``step``: the target, or with ``budget_over_run`` what the rest of
+        """The per-head budget of the decision at ``step``: the target, or with ``over_run`` what the rest of
         the run may spend on average so that the run's mean meets the target. None without a budget."""
         if self.target is None:
             return None
-        if not self.settings.budget_over_run:
+        if not self.settings.over_run:
             return self.target[1]
         return self.spend.ceiling(self.target[1], step, self.run_steps, float(self.costs[0]))
 
-    def check_run(self, explorer_cost: float | None) -> None:
-        """With ``budget_over_run``, a target this run of ``run_steps`` cannot meet is one error line, before any
-        step. ``explorer_cost``: the cost of the explorers' table while they form (reach first), else None."""
-        c = self.settings
-        if self.target is None or not c.budget_over_run or self.run_steps is None:
+    def check_run(self, warmup_steps: int, explorers: tuple[int, float] | None) -> None:
+        """With ``over_run``, a target this run of ``run_steps`` cannot meet is one error line, before any step.
+        ``explorers``: reach first's ``(formation_steps, cost of the explorers' table)``, else None."""
+        if self.target is None or not self.settings.over_run or self.run_steps is None:
             return
         measure, target = self.target
-        w = min(c.warmup_steps, self.run_steps)
+        w = min(warmup_steps, self.run_steps)
         paid = self.spend.paid_before(w)
-        if explorer_cost is not None:  # the explorers hold their reach until formation ends, whatever the budget
-            w = min(max(w, c.formation_steps), self.run_steps)
+        if explorers is not None:  # the explorers hold their reach until formation ends, whatever the budget
+            formation_steps, explorer_cost = explorers
+            w = min(max(w, formation_steps), self.run_steps)
             paid = w * explorer_cost
         least = (paid + (self.run_steps - w) * float(self.costs[0])) / self.run_steps
         if least > target + 1e-9:
             name = "target_acr" if measure == "acr" else "target_causal_coverage"
             start = (
                 f"{w} steps of explorers (formation_steps) beside the smallest candidate"
-                if explorer_cost is not None
+                if explorers is not None
                 else f"{w} warmup steps at full context"
             )
             raise ConfigError(
-                f"model.aah.controller.{name}={target!r} cannot be the mean over this run: {start} and the smallest "
+                f"model.aah.controller.budget.{name}={target!r} cannot be the mean over this run: {start} and the smallest "
                 f"candidate ({self.candidates[0]}) afterwards already average {least:.4f} over {self.run_steps} steps; "
-                f"lower warmup_steps or formation_steps, add a smaller candidate or raise the target"
+                f"lower schedule.warmup_steps or reach.formation_steps, add a smaller candidate or raise the target"
             )

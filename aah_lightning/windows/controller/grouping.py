@@ -133,9 +133,9 @@ def apart(partition: Partition, heads: list[int]) -> Partition:
 
 
 class Grouper:
-    """Level 0 of every layer's hierarchy, decision after decision (``grouping``, ``threshold``, ``min_group_size``,
-    ``max_groups``, ``hysteresis``, ``random_groups``, ``reuse_groups``): it remembers each layer's last partition
-    (for hysteresis and ``reuse_groups``) and the random partitions of ``fixed_random``, drawn once per layer."""
+    """Level 0 of every layer's hierarchy, decision after decision (``settings``: ``GroupsConfig``): it remembers each
+    layer's last partition (for hysteresis and ``reuse_groups``) and the random partitions of ``fixed_random``, drawn
+    once per layer."""
 
     def __init__(self, settings, n_layer: int, n_head: int, seed: int):
         self.settings, self.n_head = settings, n_head
@@ -147,9 +147,9 @@ class Grouper:
         """Layer ``layer``'s level-0 partition from the head distances ``dist``, with the heads of ``alone`` each in
         a group of its own; remembered as the layer's partition."""
         c = self.settings
-        if c.grouping == "none":
+        if c.method == "none":
             partition = singletons(self.n_head)
-        elif c.grouping == "fixed_random":
+        elif c.method == "fixed_random":
             if self.random_partitions[layer] is None:
                 self.random_partitions[layer] = random_partition(self.n_head, c.random_groups, self.generator)
             partition = self.random_partitions[layer]

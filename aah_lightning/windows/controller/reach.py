@@ -1,10 +1,11 @@
-"""Reach for the heads that may need context: explorers while the model forms (reach first), and heads that keep
-reach after it (kept reach). docs/controller.md, "Finding the heads that need context from step 0".
+"""Reach for the heads that may need context (``model.aah.controller.reach``): explorers while the model forms
+(reach first), and heads that keep reach after it (kept reach). docs/controller.md, "Finding the heads that need
+context from step 0".
 
 * ``ReachFirst`` (``explorers``, ``explore_window``, ``formation_steps``, ``formation_fill``): heads
   ``0 .. explorers - 1`` of every layer hold the explorers' window from step 0 until ``formation_steps``, whatever the
   signal says, so that a head that needs context can learn to use it before need is measured.
-* ``kept_reach`` (``reach_heads``, ``reach_window``): at every decision after formation, the heads of each budget
+* ``kept_reach`` (``heads``, ``window``): at every decision after formation, the heads of each budget
   unit with the largest smoothed need at the reach window hold it; the knapsack places the rest of the budget
   around them.
 """
@@ -15,10 +16,12 @@ import torch
 from torch import Tensor
 
 from aah_lightning.errors import ConfigError
+from aah_lightning.windows.config import ReachConfig
 
 
 class ReachFirst:
-    """The explorers' tables. ``table_cost`` is the budget's mean per-head cost of a table."""
+    """The explorers' tables (``settings``: ``ReachConfig``). ``table_cost`` is the budget's mean per-head cost of a
+    table."""
 
     def __init__(self, settings, candidates: list[int], n_layer: int, n_head: int, table_cost):
         self.settings, self.candidates = settings, candidates
@@ -71,35 +74,35 @@ def kept_reach(
     need: Tensor, ceiling: float, units: list[list[int]], costs: Tensor, candidates: list[int], settings
 ) -> dict[tuple[int, int], int]:
     """``{(layer, head): candidate index}`` of the heads that hold the reach window at this decision. In each budget
-    unit (``units``: lists of layers), the ``reach_heads`` heads with the largest smoothed ``need`` ``[L, H, K]`` at
-    the window (exact ties to the earlier layer and head); the window is ``reach_window`` or the widest they can hold
+    unit (``units``: lists of layers), the ``settings.heads`` heads with the largest smoothed ``need`` ``[L, H, K]`` at
+    the window (exact ties to the earlier layer and head); the window is ``settings.window`` or the widest they can hold
     beside every other head of the unit at the narrowest candidate, never wider than that."""
     n_head = need.shape[1]
     out = {}
     for layers in units:
-        j = reach_index(costs, ceiling, len(layers) * n_head, settings.reach_heads)
-        if settings.reach_window is not None:
-            j = min(j, candidates.index(settings.reach_window))
+        j = reach_index(costs, ceiling, len(layers) * n_head, settings.heads)
+        if settings.window is not None:
+            j = min(j, candidates.index(settings.window))
         if j == 0:
             continue  # this ceiling affords no reach (budget_over_run late in a run): nothing is held
         heads = sorted((-float(need[lyr, h, j]), lyr, h) for lyr in layers for h in range(n_head))
-        out.update({(lyr, h): j for _, lyr, h in heads[: settings.reach_heads]})
+        out.update({(lyr, h): j for _, lyr, h in heads[: settings.heads]})
     return out
 
 
-def check_kept_reach_fits(settings, candidates: list[int], costs: Tensor, n: int) -> None:
-    """Kept reach must fit the budget's target beside ``n - reach_heads`` heads at the narrowest (``n``: the heads of
+def check_kept_reach_fits(settings: ReachConfig, target: float, candidates: list[int], costs: Tensor, n: int) -> None:
+    """Kept reach must fit the budget's ``target`` beside ``n - heads`` heads at the narrowest (``n``: the heads of
     one budget unit); one error line otherwise."""
-    target, key = settings.budget()[1], "model.aah.controller."
-    fits = reach_index(costs, target, n, settings.reach_heads)
-    if settings.reach_window is not None and candidates.index(settings.reach_window) > fits:
+    key = "model.aah.controller.reach."
+    fits = reach_index(costs, target, n, settings.heads)
+    if settings.window is not None and candidates.index(settings.window) > fits:
         raise ConfigError(
-            f"{key}reach_window={settings.reach_window!r} does not fit the budget: {settings.reach_heads} head(s) at it "
-            f"beside {n - settings.reach_heads} at {candidates[0]} cost more than {target!r}; the widest that fits is "
+            f"{key}window={settings.window!r} does not fit the budget: {settings.heads} head(s) at it beside "
+            f"{n - settings.heads} at {candidates[0]} cost more than {target!r}; the widest that fits is "
             f"{candidates[fits]}"
         )
     if fits == 0:
         raise ConfigError(
-            f"{key}reach_heads={settings.reach_heads!r}: the budget {target!r} leaves them no window wider than the "
-            f"narrowest candidate ({candidates[0]}); lower reach_heads or raise the budget"
+            f"{key}heads={settings.heads!r}: the budget {target!r} leaves them no window wider than the narrowest "
+            f"candidate ({candidates[0]}); lower reach.heads or raise the budget"
         )

@@ -1,4 +1,4 @@
-"""The allocators ``model.aah.controller.allocator`` may name.
+"""The allocators ``model.aah.controller.allocation.allocator`` may name.
 
 An entry is either a plain function ``(LayerInputs) -> list[list[int]]`` (stateless, like ``reach``) or a class with
 a ``for_policy(settings, n_layer, candidates, seed)`` constructor and ``state_dict`` / ``load_state_dict`` (its state is

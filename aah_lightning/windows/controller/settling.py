@@ -1,4 +1,4 @@
-"""Settling (``settle_margin``): a table stops changing when nothing changes but probe noise.
+"""Settling (``model.aah.controller.settle``): a table stops changing when nothing changes but probe noise.
 
 Without a budget the ``reach`` allocator keeps a dead band around ``coverage_target`` (``allocators.settled_need``,
 fed the bands below). Under a budget the table in force stays, per budget unit, while it fits the ceiling and the

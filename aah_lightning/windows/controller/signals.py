@@ -1,8 +1,8 @@
-"""Need signals: what a head's need for each candidate window is measured by (``model.aah.controller.signal``).
+"""Need signals: what a head's need for each candidate window is measured by (``model.aah.controller.need``).
 
 A signal is a class in ``SIGNALS`` with this contract (docs/controller.md, "Adding a mechanism"):
 
-* ``__init__(settings, candidates, seq_len)``: the controller's settings (``ControllerConfig``);
+* ``__init__(settings, candidates, seq_len)``: its settings block (``NeedConfig``, ``model.aah.controller.need``);
 * ``capped``: whether its need is a share of attention mass in [0, 1], so that ``coverage_target`` may cap a group's
   window; a signal that measures something else (a loss decrease) sets it False and the budget alone decides;
 * ``measure(probe, model, tokens, targets, doc_ids, loss_mask)``: this step's measurement, the probe's packed
@@ -73,7 +73,7 @@ class GainSignal(MassSignal):
     def measure(self, probe, model, tokens, targets, doc_ids, loss_mask) -> Tensor:
         """The mass probe's packed features, then the gain ``[L, H, K]`` and its squared standard error ``[L, H, K]``
         (one no-grad forward per head and candidate), averaged over ranks."""
-        c = self.settings
+        c = self.settings  # NeedConfig
         result, gain, se2 = run_gain_probe(
             model,
             tokens,
@@ -138,7 +138,7 @@ SIGNALS: dict[str, type] = {"mass": MassSignal, "gain": GainSignal}
 
 
 def register_signal(name: str):
-    """Class decorator: make a need signal selectable as ``model.aah.controller.signal: name`` (or
+    """Class decorator: make a need signal selectable as ``model.aah.controller.need.signal: name`` (or
     ``module:name`` for one in a module outside the package)."""
 
     def add(cls):
@@ -151,5 +151,5 @@ def register_signal(name: str):
 
 
 def signal_class(name: str) -> type:
-    """The signal ``model.aah.controller.signal`` names: a registered name, or ``module:name``."""
-    return find_plugin(SIGNALS, name, "model.aah.controller.signal", "need signal")
+    """The signal ``model.aah.controller.need.signal`` names: a registered name, or ``module:name``."""
+    return find_plugin(SIGNALS, name, "model.aah.controller.need.signal", "need signal")
