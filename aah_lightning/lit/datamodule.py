@@ -17,7 +17,6 @@ part of every checkpoint (``state_dict``), so a resumed run continues with exact
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any, Optional
 
 import lightning as L
@@ -25,13 +24,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.data.config import (
-    FLAT_DATA_SETTINGS,
     DataConfig,
     FilesConfig,
     HubConfig,
     RecallConfig,
     SyntheticConfig,
     TokensConfig,
+    with_flat_settings,
 )
 from aah_lightning.data.prompts import prompt_loader
 from aah_lightning.data.sources import get_source, source_names
@@ -77,22 +76,7 @@ class TextDataModule(L.LightningDataModule):
         synthetic: Optional[SyntheticConfig] = None,
         recall: Optional[RecallConfig] = None,
         plugin: Optional[dict[str, Any]] = None,
-        paths: Optional[list[str]] = None,
-        path: Optional[str] = None,
-        text_field: Optional[str] = None,
-        hub_name: Optional[str] = None,
-        hub_config: Optional[str] = None,
-        hub_split: Optional[str] = None,
-        synthetic_documents: Optional[int] = None,
-        synthetic_vocab: Optional[int] = None,
-        synthetic_distance: Optional[int] = None,
-        recall_keys: Optional[int] = None,
-        recall_values: Optional[int] = None,
-        recall_gaps: Optional[str] = None,
-        recall_blocks: Optional[int] = None,
-        recall_fraction: Optional[float] = None,
-        recall_task: Optional[str] = None,
-        recall_copy_distance: Optional[int] = None,
+        **deprecated,
     ):
         """
         Args:
@@ -128,28 +112,35 @@ class TextDataModule(L.LightningDataModule):
             recall: settings of the recall task (source=recall, or mixed into a text source with fraction > 0):
                 keys, values, gaps, blocks, fraction, task (mqar or copy) and copy_distance (data/config.py).
             plugin: settings of a source registered outside the package, a mapping it reads and checks itself.
-            paths: deprecated, now files.paths.
-            path: deprecated, now tokens.path.
-            text_field: deprecated, now files.text_field and hub.text_field.
-            hub_name: deprecated, now hub.name.
-            hub_config: deprecated, now hub.config.
-            hub_split: deprecated, now hub.split.
-            synthetic_documents: deprecated, now synthetic.documents.
-            synthetic_vocab: deprecated, now synthetic.vocab.
-            synthetic_distance: deprecated, now synthetic.distance.
-            recall_keys: deprecated, now recall.keys.
-            recall_values: deprecated, now recall.values.
-            recall_gaps: deprecated, now recall.gaps.
-            recall_blocks: deprecated, now recall.blocks.
-            recall_fraction: deprecated, now recall.fraction.
-            recall_task: deprecated, now recall.task.
-            recall_copy_distance: deprecated, now recall.copy_distance.
+            deprecated: the flat keys of earlier versions (data.paths, data.recall_keys, ...): each still works, with
+                one deprecation line naming the key that replaces it (data/config.py, ``with_flat_settings``).
         """
         super().__init__()
-        arguments = dict(locals())
-        flat = {key: arguments[key] for key in FLAT_DATA_SETTINGS}
-        shared = {f.name: arguments[f.name] for f in fields(DataConfig)}
-        self.config = config = DataConfig.from_arguments(flat, **shared)
+        # The one DataConfig: the source, the data position and the checkpoint all read it.
+        shared = DataConfig(
+            source=source,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            val_blocks=val_blocks,
+            test_blocks=test_blocks,
+            max_documents=max_documents,
+            num_workers=num_workers,
+            num_proc=num_proc,
+            seed=seed,
+            cache_dir=cache_dir,
+            prompts=prompts,
+            files=files,
+            tokens=tokens,
+            hub=hub,
+            synthetic=synthetic,
+            recall=recall,
+            plugin=plugin,
+        )
+        self.config = config = with_flat_settings(shared, **deprecated)
         config.validate()
         source_class = get_source(config.source)
         mixable = [name for name in source_names() if get_source(name).mixable]
