@@ -11,8 +11,9 @@ share of a text corpus's blocks are recall blocks instead (``data/sources/recall
 (training and the loss count only the predictable targets) and ``recall_distance`` (the module's recall accuracy).
 
 Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
-permutations), streamed ones through ``split_dataset_by_node``. The training position (``lit/data_position.py``) is
-part of every checkpoint (``state_dict``), so a resumed run continues with exactly the batches the interrupted one would have seen next.
+permutations), streamed ones through ``split_dataset_by_node``; ``streamed`` (``is_stream``) tells them apart. The
+training position (``lit/data_position.py``) is part of every checkpoint (``state_dict``), so a resumed run continues
+with exactly the batches the interrupted one would have seen next.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from aah_lightning.data.config import (
     DataConfig,
@@ -33,9 +34,8 @@ from aah_lightning.data.config import (
     with_flat_settings,
 )
 from aah_lightning.data.prompts import prompt_loader
-from aah_lightning.data.sources import get_source, source_names
+from aah_lightning.data.sources import get_source, is_stream, source_names
 from aah_lightning.data.sources.recall import RecallSource, with_recall
-from aah_lightning.data.streaming import StreamedBlocks
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.lit.data_position import DataPosition
@@ -166,14 +166,12 @@ class TextDataModule(L.LightningDataModule):
         if self.tokenizer is not None:
             self.source.check_tokenizer(self.tokenizer)
         self.train_set = self.val_set = self.test_set = None
-        self.position = DataPosition(
-            config.source,
-            config.seed,
-            config.batch_size,
-            config.global_batch_size,
-            config.num_workers,
-            source_class.streamed,
-        )
+        self.position = DataPosition.from_config(config, self.streamed)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the training split is a stream that positions itself (``is_stream``: the source says so)."""
+        return is_stream(self.source)
 
     @property
     def vocab_size(self) -> int:
@@ -196,7 +194,7 @@ class TextDataModule(L.LightningDataModule):
         if self.config.recall.fraction > 0:  # the same share of recall blocks in every split
             splits = with_recall(splits, self.recall, self.config.recall.fraction, self.tokenizer.vocab_size)
         self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
-        if isinstance(self.train_set, StreamedBlocks) and self.position.restored is not None:
+        if self.streamed and self.position.restored is not None:
             self._apply_restored_stream(rank, world)
 
     # -- the training position (lit/data_position.py) ---------------------------------------------------------------
@@ -206,7 +204,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _train_blocks(self) -> int | None:
         """The permuted training blocks of a map-style corpus (None: a stream, or not set up)."""
-        if self.train_set is None or isinstance(self.train_set, IterableDataset):
+        if self.train_set is None or self.streamed:
             return None
         return len(self.train_set)
 
@@ -227,7 +225,7 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.config
         self.position.restate_batch_count(self.trainer)
-        if isinstance(self.train_set, IterableDataset):
+        if self.streamed:  # the stream orders and shards itself: no sampler
             return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
         return PositionedLoader(
             self.train_set,
@@ -271,7 +269,7 @@ class TextDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Streamed training batches carry their positions; the position keeps them, the batch drops them.
-        if self.position.record(batch) and isinstance(self.train_set, StreamedBlocks):
+        if self.position.record(batch) and self.streamed:
             self.train_set.start = None  # used by the first iteration after a restore only
         return batch
 
@@ -283,7 +281,7 @@ class TextDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return {}
         state = {"layout": self._layout()}
-        if isinstance(self.train_set, StreamedBlocks):
+        if self.streamed and self.train_set is not None:
             state["streams"] = self.position.stream_state()
         return state
 
@@ -293,7 +291,7 @@ class TextDataModule(L.LightningDataModule):
         if not state or (self.trainer is not None and self.trainer.state.fn != "fit"):
             return
         self.position.restore(state, self._layout())
-        if isinstance(self.train_set, StreamedBlocks):
+        if self.streamed and self.train_set is not None:  # else setup hands the position on
             self._apply_restored_stream(*self._rank_world())
 
     def _apply_restored_stream(self, rank: int, world: int) -> None:

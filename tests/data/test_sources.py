@@ -11,7 +11,7 @@ import torch
 
 from aah_lightning.checkpoint import checkpoint_tokenizer, read_checkpoint
 from aah_lightning.cli import main
-from aah_lightning.data.sources import get_source, is_text, source_names
+from aah_lightning.data.sources import get_source, is_stream, is_text, source_names
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 
@@ -39,6 +39,12 @@ def test_every_built_in_source_is_registered_with_its_contract():
     assert [n for n in source_names() if get_source(n).streamed] == ["hub"]
     assert [n for n in source_names() if get_source(n).mixable] == ["stdlib", "files", "tokens"]
     assert not is_text("recall") and is_text("stdlib") and is_text("no_such_source")
+
+
+def test_is_stream_is_the_one_answer_to_whether_data_is_a_stream():
+    assert [n for n in source_names() if is_stream(get_source(n))] == ["hub"]
+    assert not TextDataModule(source="recall", seq_len=16).streamed
+    assert TextDataModule(source="hub", hub={"name": "local/fake"}).streamed  # nothing is read until setup
 
 
 def test_an_unknown_source_is_refused_with_what_is_allowed():

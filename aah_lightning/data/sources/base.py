@@ -7,8 +7,9 @@ registered by name (``@register_source``); ``data.source`` picks it. What a sour
 - ``has_tokens``: True when its ids are a tokenizer's (text: ``data.tokenizer`` is loaded and saved with the
   checkpoint); False when the source defines its own vocabulary (a synthetic task), through ``vocabulary``.
 - ``streamed``: True when its training split is an ``IterableDataset`` that positions itself (its blocks carry
-  ``resume``; ``DataPosition`` keeps the positions); False for map-style training blocks, which ``DataPosition``
-  orders and shards (their length is the number of training blocks).
+  ``resume``; ``DataPosition`` keeps the positions, and the data module hands a restored one back in the split's
+  ``start``); False for map-style training blocks, which ``DataPosition`` orders and shards (their length is the
+  number of training blocks). ``is_stream`` is the one place it is read.
 - ``test_setting``: the setting that holds out its test blocks (named when it holds out none).
 - ``mixable``: recall blocks may be mixed into its splits (``data.recall.fraction``).
 - ``check()``: refuse bad settings of this source in one line naming the setting; called when the data module is
@@ -85,6 +86,12 @@ def get_source(name: str) -> type[DataSource]:
     """The class ``data.source`` names: a registered name, or ``module:name`` of a source registered in another
     importable module (imported first, as ``model.aah.policy`` does for policies)."""
     return find_plugin(_REGISTRY, name, "data.source", "data source")
+
+
+def is_stream(source: DataSource | type[DataSource]) -> bool:
+    """Whether a source's training split is a stream that positions itself (``streamed``); the one answer the data
+    module and ``DataPosition`` read, for the loader, the sampler, the layout and the checkpoint's positions."""
+    return bool(source.streamed)
 
 
 def is_text(name: str) -> bool:
