@@ -103,6 +103,30 @@ class RecallConfig:
     task: Literal["mqar", "copy"] = "mqar"
     copy_distance: Optional[int] = None
 
+    def check(self, seq_len: int) -> None:
+        """Refuse a bad recall setting in one line naming it (``seq_len``: ``data.seq_len``, already checked)."""
+        from aah_lightning.data.recall import GAPS, TASKS  # numpy and torch: only when a data module is built
+
+        require(self.gaps in GAPS, "data.recall.gaps", self.gaps, f"one of {', '.join(GAPS)}")
+        require(isinstance(self.values, int) and self.values >= 2, "data.recall.values", self.values, ">= 2")
+        require(isinstance(self.blocks, int) and self.blocks >= 1, "data.recall.blocks", self.blocks, ">= 1")
+        require(self.task in TASKS, "data.recall.task", self.task, f"one of {', '.join(TASKS)}")
+        distance = self.copy_distance
+        require(
+            distance is None or (isinstance(distance, int) and 0 < distance < seq_len),
+            "data.recall.copy_distance",
+            distance,
+            f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={seq_len})",
+        )
+        slots = -(-(seq_len + 1) // 3)
+        require(
+            isinstance(self.keys, int) and self.keys >= 2,
+            "data.recall.keys",
+            self.keys,
+            f">= 2 (a sequence of data.seq_len={seq_len} has {slots} slots; fewer keys than slots make keys come "
+            f"back early)",
+        )
+
 
 BLOCKS = {
     "files": FilesConfig,
@@ -171,7 +195,8 @@ class DataConfig:
         return _moved(cls(**settings), flat, stacklevel=2)  # _moved, this method, its caller
 
     def validate(self) -> None:
-        """The settings every source shares, each refused in one line naming it (a source checks its own block)."""
+        """The settings every source shares, and the recall block (any text source may mix it in), each refused in one
+        line naming it; a source checks its own block."""
         require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len, "a positive integer")
         require(
             isinstance(self.batch_size, int) and self.batch_size > 0,
@@ -209,6 +234,8 @@ class DataConfig:
             self.num_proc,
             "a positive integer, or null",
         )
+        # The recall block is checked whatever the source: a text source may mix it in, and the checks are cheap.
+        self.recall.check(self.seq_len)
 
     def settings(self) -> dict:
         """The settings as plain dicts (what a checkpoint saves: it loads with ``torch.load(weights_only=True)``)."""

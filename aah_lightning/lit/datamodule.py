@@ -1,14 +1,17 @@
 """LightningDataModule: a data source -> ``seq_len + 1`` blocks -> train / val / test loaders.
 
-``data.source`` picks a source of ``data/sources/`` (one module each, registered by name, with the contract in
-``data/sources/base.py``): it gives the three splits. Map-style corpora are token folders (``data/token_folder.py``),
-read by memory-mapping: ``stdlib`` and ``files`` are tokenized once into a folder under the cache folder
+The ``data.*`` settings become one ``DataConfig`` (``data/config.py``) when the module is built; the source, the
+training position and the checkpoint's hyperparameters all read it. ``data.source`` picks a source of
+``data/sources/`` (one module each, registered by name, with the contract in ``data/sources/base.py``): it gives the
+three splits, and the module names none of them. Map-style corpora are token folders (``data/token_folder.py``), read
+by memory-mapping: ``stdlib`` and ``files`` are tokenized once into a folder under the cache folder
 (``data/prepare.py``), ``tokens`` names a prepared one. Blocks are slices of the stream; the held-out blocks are its
 tail (validation last, test before it). Streamed corpora (``hub``) go through ``data/streaming.py``.
 
 ``recall`` generates the associative-recall task (``data/recall.py``) block by block; with ``data.recall.fraction`` a
-share of a text corpus's blocks are recall blocks instead (``data/sources/recall.py``: ``with_recall``). Recall blocks carry a ``loss_mask``
-(training and the loss count only the predictable targets) and ``recall_distance`` (the module's recall accuracy).
+share of a text corpus's blocks are recall blocks instead (``get_source`` then returns the recall mix,
+``data/sources/recall.py``). Recall blocks carry a ``loss_mask`` (training and the loss count only the predictable
+targets) and ``recall_distance`` (the module's recall accuracy).
 
 Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
 permutations), streamed ones through ``split_dataset_by_node``; ``streamed`` (``is_stream``) tells them apart. The
@@ -34,10 +37,9 @@ from aah_lightning.data.config import (
     with_flat_settings,
 )
 from aah_lightning.data.prompts import prompt_loader
-from aah_lightning.data.sources import get_source, is_stream, source_names
-from aah_lightning.data.sources.recall import RecallSource, with_recall
+from aah_lightning.data.sources import get_source, is_stream
 from aah_lightning.data.tokenizers import load_tokenizer
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError
 from aah_lightning.lit.data_position import DataPosition
 
 
@@ -142,27 +144,14 @@ class TextDataModule(L.LightningDataModule):
         )
         self.config = config = with_flat_settings(shared, **deprecated)
         config.validate()
-        source_class = get_source(config.source)
-        mixable = [name for name in source_names() if get_source(name).mixable]
-        fraction = config.recall.fraction
-        require(
-            0.0 <= fraction < 1.0 and (fraction == 0 or source_class.mixable),
-            "data.recall.fraction",
-            fraction,
-            f"in [0, 1), and above 0 only with data.source {', '.join(mixable[:-1])} or {mixable[-1]}",
-        )
+        # The named source, or the recall mix over it (data.recall.fraction): the module handles every one alike.
+        self.source = get_source(config.source, config.recall.fraction)(config)
         # Plain dicts, nested per source (checkpoints load with torch.load(weights_only=True)).
         self.save_hyperparameters(config.settings())
         self.prepare_data_per_node = True  # token folders live in each node's cache folder
-        self.source = source_class(config)
-        # The recall settings are checked whatever the source (they are cheap).
-        self.recall = self.source if isinstance(self.source, RecallSource) else RecallSource(config)
-        self.recall.check()
         self.source.check()
-        self.tokenizer = load_tokenizer(config.tokenizer) if source_class.has_tokens else None
+        self.tokenizer = load_tokenizer(config.tokenizer) if self.source.has_tokens else None
         self._vocab, self._eos = self.source.vocabulary(self.tokenizer)
-        if fraction > 0:  # the recall task's keys and values above the tokenizer's ids
-            self._vocab += self.recall.ids
         if self.tokenizer is not None:
             self.source.check_tokenizer(self.tokenizer)
         self.train_set = self.val_set = self.test_set = None
@@ -191,8 +180,6 @@ class TextDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         endless = self.trainer is None or self.trainer.max_steps > 0
         splits = self.source.splits(self.tokenizer, rank, world, endless)
-        if self.config.recall.fraction > 0:  # the same share of recall blocks in every split
-            splits = with_recall(splits, self.recall, self.config.recall.fraction, self.tokenizer.vocab_size)
         self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
         if self.streamed and self.position.restored is not None:
             self._apply_restored_stream(rank, world)

@@ -47,6 +47,21 @@ def test_is_stream_is_the_one_answer_to_whether_data_is_a_stream():
     assert TextDataModule(source="hub", hub={"name": "local/fake"}).streamed  # nothing is read until setup
 
 
+def test_the_recall_mix_is_a_source_get_source_returns():
+    from aah_lightning.data.config import DataConfig
+    from aah_lightning.data.sources.recall import RecallMix
+    from aah_lightning.data.sources.text import StdlibSource
+
+    assert get_source("stdlib", 0.25) is RecallMix and get_source("stdlib", 0.0) is StdlibSource
+    mix = get_source("tokens", 0.5)(DataConfig(source="tokens", recall={"fraction": 0.5}))
+    assert type(mix.text).__name__ == "TokenFolderSource" and mix.has_tokens and not is_stream(mix)
+    with pytest.raises(ConfigError, match=r"data.recall.fraction=0.5 .*only with data.source stdlib, files or tokens"):
+        get_source("hub", 0.5)
+    # The data module names no source: it asks the registry (the layering test checks the rest of its imports).
+    module = (ROOT / "aah_lightning" / "lit" / "datamodule.py").read_text()
+    assert "data.sources." not in module and "data.streaming" not in module and "RecallSource" not in module
+
+
 def test_an_unknown_source_is_refused_with_what_is_allowed():
     with pytest.raises(ConfigError, match=r"data.source='nope' .*one of stdlib, files, tokens, hub, synthetic, recall"):
         TextDataModule(source="nope")
