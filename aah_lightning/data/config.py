@@ -7,8 +7,8 @@ of ``data``; what only one source reads sits in that source's block: ``data.file
 and ``data.plugin``, a free mapping for a source registered outside the package.
 
 The flat keys of earlier versions (``data.recall_keys``, ``data.paths``, ...) still work, each with one deprecation line
-naming the key that replaces it (``FLAT_DATA_SETTINGS``); checkpoints that saved them are read nested
-(``nest_data_settings``).
+naming the key that replaces it (``FLAT_DATA_SETTINGS``), all moved in one place (``with_flat_settings``, which the
+data module hands them to); checkpoints that saved them are read nested (``nest_data_settings``).
 """
 
 from __future__ import annotations
@@ -103,6 +103,30 @@ class RecallConfig:
     task: Literal["mqar", "copy"] = "mqar"
     copy_distance: Optional[int] = None
 
+    def check(self, seq_len: int) -> None:
+        """Refuse a bad recall setting in one line naming it (``seq_len``: ``data.seq_len``, already checked)."""
+        from aah_lightning.data.recall import GAPS, TASKS  # numpy and torch: only when a data module is built
+
+        require(self.gaps in GAPS, "data.recall.gaps", self.gaps, f"one of {', '.join(GAPS)}")
+        require(isinstance(self.values, int) and self.values >= 2, "data.recall.values", self.values, ">= 2")
+        require(isinstance(self.blocks, int) and self.blocks >= 1, "data.recall.blocks", self.blocks, ">= 1")
+        require(self.task in TASKS, "data.recall.task", self.task, f"one of {', '.join(TASKS)}")
+        distance = self.copy_distance
+        require(
+            distance is None or (isinstance(distance, int) and 0 < distance < seq_len),
+            "data.recall.copy_distance",
+            distance,
+            f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={seq_len})",
+        )
+        slots = -(-(seq_len + 1) // 3)
+        require(
+            isinstance(self.keys, int) and self.keys >= 2,
+            "data.recall.keys",
+            self.keys,
+            f">= 2 (a sequence of data.seq_len={seq_len} has {slots} slots; fewer keys than slots make keys come "
+            f"back early)",
+        )
+
 
 BLOCKS = {
     "files": FilesConfig,
@@ -168,19 +192,11 @@ class DataConfig:
     def from_arguments(cls, flat: Mapping[str, Any], **settings) -> DataConfig:
         """The settings, with the deprecated flat keys of ``flat`` (those not None) moved into their blocks: one
         deprecation line for each, and a ConfigError where a flat key and its nested key are both set."""
-        config = cls(**settings)
-        for key, value in flat.items():
-            if value is None:
-                continue
-            targets = [
-                (block, getattr(config, block), name, getattr(BLOCKS[block](), name))
-                for block, name in FLAT_DATA_SETTINGS[key]
-            ]
-            move_flat_setting("data", key, value, targets, stacklevel=3)
-        return config
+        return _moved(cls(**settings), flat, stacklevel=2)  # _moved, this method, its caller
 
     def validate(self) -> None:
-        """The settings every source shares, each refused in one line naming it (a source checks its own block)."""
+        """The settings every source shares, and the recall block (any text source may mix it in), each refused in one
+        line naming it; a source checks its own block."""
         require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len, "a positive integer")
         require(
             isinstance(self.batch_size, int) and self.batch_size > 0,
@@ -218,10 +234,90 @@ class DataConfig:
             self.num_proc,
             "a positive integer, or null",
         )
+        # The recall block is checked whatever the source: a text source may mix it in, and the checks are cheap.
+        self.recall.check(self.seq_len)
 
     def settings(self) -> dict:
         """The settings as plain dicts (what a checkpoint saves: it loads with ``torch.load(weights_only=True)``)."""
         return asdict(self)
+
+
+def _moved(config: DataConfig, flat: Mapping[str, Any], stacklevel: int) -> DataConfig:
+    """``config`` with the flat keys of ``flat`` that are set moved into their blocks (``stacklevel``: frames above
+    this one to the line the deprecation names)."""
+    for key, value in flat.items():
+        if value is None:
+            continue
+        targets = [
+            (block, getattr(config, block), name, getattr(BLOCKS[block](), name))
+            for block, name in FLAT_DATA_SETTINGS[key]
+        ]
+        move_flat_setting("data", key, value, targets, stacklevel=stacklevel + 1)
+    return config
+
+
+def with_flat_settings(
+    config: DataConfig,
+    /,
+    *,
+    paths: Optional[list[str]] = None,
+    path: Optional[str] = None,
+    text_field: Optional[str] = None,
+    hub_name: Optional[str] = None,
+    hub_config: Optional[str] = None,
+    hub_split: Optional[str] = None,
+    synthetic_documents: Optional[int] = None,
+    synthetic_vocab: Optional[int] = None,
+    synthetic_distance: Optional[int] = None,
+    recall_keys: Optional[int] = None,
+    recall_values: Optional[int] = None,
+    recall_gaps: Optional[str] = None,
+    recall_blocks: Optional[int] = None,
+    recall_fraction: Optional[float] = None,
+    recall_task: Optional[str] = None,
+    recall_copy_distance: Optional[int] = None,
+) -> DataConfig:
+    """``config`` with the deprecated flat keys of the data module moved into their blocks, one deprecation line
+    each (the line of the code that built the data module). ``TextDataModule`` hands its ``**deprecated`` here, so
+    the command line and YAML still take ``data.recall_keys`` and the rest: jsonargparse reads these parameters.
+
+    Args:
+        paths: deprecated, now files.paths.
+        path: deprecated, now tokens.path.
+        text_field: deprecated, now files.text_field and hub.text_field.
+        hub_name: deprecated, now hub.name.
+        hub_config: deprecated, now hub.config.
+        hub_split: deprecated, now hub.split.
+        synthetic_documents: deprecated, now synthetic.documents.
+        synthetic_vocab: deprecated, now synthetic.vocab.
+        synthetic_distance: deprecated, now synthetic.distance.
+        recall_keys: deprecated, now recall.keys.
+        recall_values: deprecated, now recall.values.
+        recall_gaps: deprecated, now recall.gaps.
+        recall_blocks: deprecated, now recall.blocks.
+        recall_fraction: deprecated, now recall.fraction.
+        recall_task: deprecated, now recall.task.
+        recall_copy_distance: deprecated, now recall.copy_distance.
+    """
+    flat = {
+        "paths": paths,
+        "path": path,
+        "text_field": text_field,
+        "hub_name": hub_name,
+        "hub_config": hub_config,
+        "hub_split": hub_split,
+        "synthetic_documents": synthetic_documents,
+        "synthetic_vocab": synthetic_vocab,
+        "synthetic_distance": synthetic_distance,
+        "recall_keys": recall_keys,
+        "recall_values": recall_values,
+        "recall_gaps": recall_gaps,
+        "recall_blocks": recall_blocks,
+        "recall_fraction": recall_fraction,
+        "recall_task": recall_task,
+        "recall_copy_distance": recall_copy_distance,
+    }
+    return _moved(config, flat, stacklevel=3)  # _moved, this function, TextDataModule.__init__, its caller
 
 
 def block_from_dict(name: str, values: Mapping[str, Any]):

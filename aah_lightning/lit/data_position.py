@@ -23,6 +23,7 @@ import math
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from aah_lightning.data.config import DataConfig
 from aah_lightning.data.packing import EndlessSampler
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.distributed import gather
@@ -38,7 +39,8 @@ def global_batch(layout: dict) -> int:
 
 class DataPosition:
     """The training position of one data module (``source``, ``seed``, ``batch_size``, ``global_batch_size`` and
-    ``num_workers`` are its settings; ``streamed``: the source's training split positions itself, per worker);
+    ``num_workers`` are its settings, ``from_config`` takes them from its ``DataConfig``; ``streamed``: the source's
+    training split positions itself, per worker);
     ``trainer`` is passed to every call that reads it (None: the module is used on its own, at position 0 on one
     process)."""
 
@@ -57,6 +59,14 @@ class DataPosition:
         self.checked_layout: dict | None = None  # a saved layout the CLI's preflight already checked
         self._counts_restated = False  # Lightning's batch count restated for the restored layout (once)
         self.streams: dict = {}  # {worker id: position after the last block trained on} (streamed sources)
+
+    @classmethod
+    def from_config(cls, config: DataConfig, streamed: bool) -> DataPosition:
+        """The position of data with settings ``config`` (``data.*``); ``streamed``: the one fact the settings do not
+        hold, whether the source's training split is a stream (``is_stream``)."""
+        return cls(
+            config.source, config.seed, config.batch_size, config.global_batch_size, config.num_workers, streamed
+        )
 
     # -- the global batch ------------------------------------------------------------------------------------------
     def resolve_accumulation(self, trainer) -> None:

@@ -1,44 +1,45 @@
 """LightningDataModule: a data source -> ``seq_len + 1`` blocks -> train / val / test loaders.
 
-``data.source`` picks a source of ``data/sources/`` (one module each, registered by name, with the contract in
-``data/sources/base.py``): it gives the three splits. Map-style corpora are token folders (``data/token_folder.py``),
-read by memory-mapping: ``stdlib`` and ``files`` are tokenized once into a folder under the cache folder
+The ``data.*`` settings become one ``DataConfig`` (``data/config.py``) when the module is built; the source, the
+training position and the checkpoint's hyperparameters all read it. ``data.source`` picks a source of
+``data/sources/`` (one module each, registered by name, with the contract in ``data/sources/base.py``): it gives the
+three splits, and the module names none of them. Map-style corpora are token folders (``data/token_folder.py``), read
+by memory-mapping: ``stdlib`` and ``files`` are tokenized once into a folder under the cache folder
 (``data/prepare.py``), ``tokens`` names a prepared one. Blocks are slices of the stream; the held-out blocks are its
 tail (validation last, test before it). Streamed corpora (``hub``) go through ``data/streaming.py``.
 
 ``recall`` generates the associative-recall task (``data/recall.py``) block by block; with ``data.recall.fraction`` a
-share of a text corpus's blocks are recall blocks instead (``data/sources/recall.py``: ``with_recall``). Recall blocks carry a ``loss_mask``
-(training and the loss count only the predictable targets) and ``recall_distance`` (the module's recall accuracy).
+share of a text corpus's blocks are recall blocks instead (``get_source`` then returns the recall mix,
+``data/sources/recall.py``). Recall blocks carry a ``loss_mask`` (training and the loss count only the predictable
+targets) and ``recall_distance`` (the module's recall accuracy).
 
 Every rank reads its own disjoint shard: map-style corpora through ``EndlessSampler`` (rank-strided seeded
-permutations), streamed ones through ``split_dataset_by_node``. The training position (``lit/data_position.py``) is
-part of every checkpoint (``state_dict``), so a resumed run continues with exactly the batches the interrupted one would have seen next.
+permutations), streamed ones through ``split_dataset_by_node``; ``streamed`` (``is_stream``) tells them apart. The
+training position (``lit/data_position.py``) is part of every checkpoint (``state_dict``), so a resumed run continues
+with exactly the batches the interrupted one would have seen next.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from aah_lightning.data.config import (
-    FLAT_DATA_SETTINGS,
     DataConfig,
     FilesConfig,
     HubConfig,
     RecallConfig,
     SyntheticConfig,
     TokensConfig,
+    with_flat_settings,
 )
 from aah_lightning.data.prompts import prompt_loader
-from aah_lightning.data.sources import get_source, source_names
-from aah_lightning.data.sources.recall import RecallSource, with_recall
-from aah_lightning.data.streaming import StreamedBlocks
+from aah_lightning.data.sources import get_source, is_stream
 from aah_lightning.data.tokenizers import load_tokenizer
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError
 from aah_lightning.lit.data_position import DataPosition
 
 
@@ -77,22 +78,7 @@ class TextDataModule(L.LightningDataModule):
         synthetic: Optional[SyntheticConfig] = None,
         recall: Optional[RecallConfig] = None,
         plugin: Optional[dict[str, Any]] = None,
-        paths: Optional[list[str]] = None,
-        path: Optional[str] = None,
-        text_field: Optional[str] = None,
-        hub_name: Optional[str] = None,
-        hub_config: Optional[str] = None,
-        hub_split: Optional[str] = None,
-        synthetic_documents: Optional[int] = None,
-        synthetic_vocab: Optional[int] = None,
-        synthetic_distance: Optional[int] = None,
-        recall_keys: Optional[int] = None,
-        recall_values: Optional[int] = None,
-        recall_gaps: Optional[str] = None,
-        recall_blocks: Optional[int] = None,
-        recall_fraction: Optional[float] = None,
-        recall_task: Optional[str] = None,
-        recall_copy_distance: Optional[int] = None,
+        **deprecated,
     ):
         """
         Args:
@@ -128,61 +114,53 @@ class TextDataModule(L.LightningDataModule):
             recall: settings of the recall task (source=recall, or mixed into a text source with fraction > 0):
                 keys, values, gaps, blocks, fraction, task (mqar or copy) and copy_distance (data/config.py).
             plugin: settings of a source registered outside the package, a mapping it reads and checks itself.
-            paths: deprecated, now files.paths.
-            path: deprecated, now tokens.path.
-            text_field: deprecated, now files.text_field and hub.text_field.
-            hub_name: deprecated, now hub.name.
-            hub_config: deprecated, now hub.config.
-            hub_split: deprecated, now hub.split.
-            synthetic_documents: deprecated, now synthetic.documents.
-            synthetic_vocab: deprecated, now synthetic.vocab.
-            synthetic_distance: deprecated, now synthetic.distance.
-            recall_keys: deprecated, now recall.keys.
-            recall_values: deprecated, now recall.values.
-            recall_gaps: deprecated, now recall.gaps.
-            recall_blocks: deprecated, now recall.blocks.
-            recall_fraction: deprecated, now recall.fraction.
-            recall_task: deprecated, now recall.task.
-            recall_copy_distance: deprecated, now recall.copy_distance.
+            deprecated: the flat keys of earlier versions (data.paths, data.recall_keys, ...): each still works, with
+                one deprecation line naming the key that replaces it (data/config.py, ``with_flat_settings``).
         """
         super().__init__()
-        arguments = dict(locals())
-        flat = {key: arguments[key] for key in FLAT_DATA_SETTINGS}
-        shared = {f.name: arguments[f.name] for f in fields(DataConfig)}
-        self.config = config = DataConfig.from_arguments(flat, **shared)
-        config.validate()
-        source_class = get_source(config.source)
-        mixable = [name for name in source_names() if get_source(name).mixable]
-        fraction = config.recall.fraction
-        require(
-            0.0 <= fraction < 1.0 and (fraction == 0 or source_class.mixable),
-            "data.recall.fraction",
-            fraction,
-            f"in [0, 1), and above 0 only with data.source {', '.join(mixable[:-1])} or {mixable[-1]}",
+        # The one DataConfig: the source, the data position and the checkpoint all read it.
+        shared = DataConfig(
+            source=source,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            val_blocks=val_blocks,
+            test_blocks=test_blocks,
+            max_documents=max_documents,
+            num_workers=num_workers,
+            num_proc=num_proc,
+            seed=seed,
+            cache_dir=cache_dir,
+            prompts=prompts,
+            files=files,
+            tokens=tokens,
+            hub=hub,
+            synthetic=synthetic,
+            recall=recall,
+            plugin=plugin,
         )
+        self.config = config = with_flat_settings(shared, **deprecated)
+        config.validate()
+        # The named source, or the recall mix over it (data.recall.fraction): the module handles every one alike.
+        self.source = get_source(config.source, config.recall.fraction)(config)
         # Plain dicts, nested per source (checkpoints load with torch.load(weights_only=True)).
         self.save_hyperparameters(config.settings())
         self.prepare_data_per_node = True  # token folders live in each node's cache folder
-        self.source = source_class(config)
-        # The recall settings are checked whatever the source (they are cheap).
-        self.recall = self.source if isinstance(self.source, RecallSource) else RecallSource(config)
-        self.recall.check()
         self.source.check()
-        self.tokenizer = load_tokenizer(config.tokenizer) if source_class.has_tokens else None
+        self.tokenizer = load_tokenizer(config.tokenizer) if self.source.has_tokens else None
         self._vocab, self._eos = self.source.vocabulary(self.tokenizer)
-        if fraction > 0:  # the recall task's keys and values above the tokenizer's ids
-            self._vocab += self.recall.ids
         if self.tokenizer is not None:
             self.source.check_tokenizer(self.tokenizer)
         self.train_set = self.val_set = self.test_set = None
-        self.position = DataPosition(
-            config.source,
-            config.seed,
-            config.batch_size,
-            config.global_batch_size,
-            config.num_workers,
-            source_class.streamed,
-        )
+        self.position = DataPosition.from_config(config, self.streamed)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the training split is a stream that positions itself (``is_stream``: the source says so)."""
+        return is_stream(self.source)
 
     @property
     def vocab_size(self) -> int:
@@ -202,10 +180,8 @@ class TextDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         endless = self.trainer is None or self.trainer.max_steps > 0
         splits = self.source.splits(self.tokenizer, rank, world, endless)
-        if self.config.recall.fraction > 0:  # the same share of recall blocks in every split
-            splits = with_recall(splits, self.recall, self.config.recall.fraction, self.tokenizer.vocab_size)
         self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
-        if isinstance(self.train_set, StreamedBlocks) and self.position.restored is not None:
+        if self.streamed and self.position.restored is not None:
             self._apply_restored_stream(rank, world)
 
     # -- the training position (lit/data_position.py) ---------------------------------------------------------------
@@ -215,7 +191,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _train_blocks(self) -> int | None:
         """The permuted training blocks of a map-style corpus (None: a stream, or not set up)."""
-        if self.train_set is None or isinstance(self.train_set, IterableDataset):
+        if self.train_set is None or self.streamed:
             return None
         return len(self.train_set)
 
@@ -236,7 +212,7 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.config
         self.position.restate_batch_count(self.trainer)
-        if isinstance(self.train_set, IterableDataset):
+        if self.streamed:  # the stream orders and shards itself: no sampler
             return PositionedLoader(self.train_set, batch_size=hp.batch_size, num_workers=hp.num_workers)
         return PositionedLoader(
             self.train_set,
@@ -280,7 +256,7 @@ class TextDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Streamed training batches carry their positions; the position keeps them, the batch drops them.
-        if self.position.record(batch) and isinstance(self.train_set, StreamedBlocks):
+        if self.position.record(batch) and self.streamed:
             self.train_set.start = None  # used by the first iteration after a restore only
         return batch
 
@@ -292,7 +268,7 @@ class TextDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return {}
         state = {"layout": self._layout()}
-        if isinstance(self.train_set, StreamedBlocks):
+        if self.streamed and self.train_set is not None:
             state["streams"] = self.position.stream_state()
         return state
 
@@ -302,7 +278,7 @@ class TextDataModule(L.LightningDataModule):
         if not state or (self.trainer is not None and self.trainer.state.fn != "fit"):
             return
         self.position.restore(state, self._layout())
-        if isinstance(self.train_set, StreamedBlocks):
+        if self.streamed and self.train_set is not None:  # else setup hands the position on
             self._apply_restored_stream(*self._rank_world())
 
     def _apply_restored_stream(self, rank: int, world: int) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from aah_lightning.checkpoint import checkpoint_tokenizer, read_checkpoint
 from aah_lightning.cli import main
-from aah_lightning.data.sources import get_source, is_text, source_names
+from aah_lightning.data.sources import get_source, is_stream, is_text, source_names
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 
@@ -39,6 +39,27 @@ def test_every_built_in_source_is_registered_with_its_contract():
     assert [n for n in source_names() if get_source(n).streamed] == ["hub"]
     assert [n for n in source_names() if get_source(n).mixable] == ["stdlib", "files", "tokens"]
     assert not is_text("recall") and is_text("stdlib") and is_text("no_such_source")
+
+
+def test_is_stream_is_the_one_answer_to_whether_data_is_a_stream():
+    assert [n for n in source_names() if is_stream(get_source(n))] == ["hub"]
+    assert not TextDataModule(source="recall", seq_len=16).streamed
+    assert TextDataModule(source="hub", hub={"name": "local/fake"}).streamed  # nothing is read until setup
+
+
+def test_the_recall_mix_is_a_source_get_source_returns():
+    from aah_lightning.data.config import DataConfig
+    from aah_lightning.data.sources.recall import RecallMix
+    from aah_lightning.data.sources.text import StdlibSource
+
+    assert get_source("stdlib", 0.25) is RecallMix and get_source("stdlib", 0.0) is StdlibSource
+    mix = get_source("tokens", 0.5)(DataConfig(source="tokens", recall={"fraction": 0.5}))
+    assert type(mix.text).__name__ == "TokenFolderSource" and mix.has_tokens and not is_stream(mix)
+    with pytest.raises(ConfigError, match=r"data.recall.fraction=0.5 .*only with data.source stdlib, files or tokens"):
+        get_source("hub", 0.5)
+    # The data module names no source: it asks the registry (the layering test checks the rest of its imports).
+    module = (ROOT / "aah_lightning" / "lit" / "datamodule.py").read_text()
+    assert "data.sources." not in module and "data.streaming" not in module and "RecallSource" not in module
 
 
 def test_an_unknown_source_is_refused_with_what_is_allowed():

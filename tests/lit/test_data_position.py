@@ -106,3 +106,17 @@ def test_stream_positions_are_kept_per_worker_and_dropped_from_the_batch():
     assert position.restored_stream(1, 2) == {"0": {"doc": 11}}
     with pytest.raises(ConfigError, match="stream positions of 2 processes, this run has 3"):
         position.restored_stream(0, 3)
+
+
+def test_the_position_is_built_from_the_data_config():
+    from aah_lightning.data.config import DataConfig
+    from aah_lightning.lit.datamodule import TextDataModule
+
+    config = DataConfig(source="hub", seed=5, batch_size=3, global_batch_size=12, num_workers=2)
+    position = DataPosition.from_config(config, streamed=True)
+    assert (position.source, position.seed, position.batch_size) == ("hub", 5, 3)
+    assert (position.global_batch_size, position.num_workers, position.streamed) == (12, 2, True)
+    assert position.layout(None, None)["num_workers"] == 2  # a stream's readers are part of its layout
+    dm = TextDataModule(source="synthetic", seq_len=16, batch_size=2, seed=9, synthetic={"documents": 30})
+    assert not dm.streamed and not dm.position.streamed
+    assert (dm.position.seed, dm.position.batch_size) == (9, 2)

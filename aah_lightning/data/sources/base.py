@@ -7,10 +7,12 @@ registered by name (``@register_source``); ``data.source`` picks it. What a sour
 - ``has_tokens``: True when its ids are a tokenizer's (text: ``data.tokenizer`` is loaded and saved with the
   checkpoint); False when the source defines its own vocabulary (a synthetic task), through ``vocabulary``.
 - ``streamed``: True when its training split is an ``IterableDataset`` that positions itself (its blocks carry
-  ``resume``; ``DataPosition`` keeps the positions); False for map-style training blocks, which ``DataPosition``
-  orders and shards (their length is the number of training blocks).
+  ``resume``; ``DataPosition`` keeps the positions, and the data module hands a restored one back in the split's
+  ``start``); False for map-style training blocks, which ``DataPosition`` orders and shards (their length is the
+  number of training blocks). ``is_stream`` is the one place it is read.
 - ``test_setting``: the setting that holds out its test blocks (named when it holds out none).
-- ``mixable``: recall blocks may be mixed into its splits (``data.recall.fraction``).
+- ``mixable``: recall blocks may be mixed into its splits (``data.recall.fraction``; ``get_source`` then returns
+  the recall mix over it). A mixable source has a tokenizer and map-style splits.
 - ``check()``: refuse bad settings of this source in one line naming the setting; called when the data module is
   built, before any model or data.
 - ``vocabulary(tokenizer)``: ``(vocab_size, eos_id)``.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aah_lightning.data.packing import TokenBlocks
-from aah_lightning.errors import ConfigError
+from aah_lightning.errors import ConfigError, require
 from aah_lightning.plugins import find_plugin
 
 _REGISTRY: dict[str, type[DataSource]] = {}
@@ -81,10 +83,32 @@ def source_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get_source(name: str) -> type[DataSource]:
+def get_source(name: str, recall_fraction: float = 0.0) -> type[DataSource]:
     """The class ``data.source`` names: a registered name, or ``module:name`` of a source registered in another
-    importable module (imported first, as ``model.aah.policy`` does for policies)."""
-    return find_plugin(_REGISTRY, name, "data.source", "data source")
+    importable module (imported first, as ``model.aah.policy`` does for policies).
+
+    ``recall_fraction`` (``data.recall.fraction``) above 0: the recall mix (``sources/recall.py``: ``RecallMix``), a
+    source that wraps the named one and puts that share of recall blocks in each of its splits; only a ``mixable``
+    source can be wrapped."""
+    cls = find_plugin(_REGISTRY, name, "data.source", "data source")
+    mixable = [n for n, source in _REGISTRY.items() if source.mixable]
+    require(
+        0.0 <= recall_fraction < 1.0 and (recall_fraction == 0 or cls.mixable),
+        "data.recall.fraction",
+        recall_fraction,
+        f"in [0, 1), and above 0 only with data.source {', '.join(mixable[:-1])} or {mixable[-1]}",
+    )
+    if recall_fraction == 0:
+        return cls
+    from aah_lightning.data.sources.recall import RecallMix  # it registers a source: it imports this module first
+
+    return RecallMix
+
+
+def is_stream(source: DataSource | type[DataSource]) -> bool:
+    """Whether a source's training split is a stream that positions itself (``streamed``); the one answer the data
+    module and ``DataPosition`` read, for the loader, the sampler, the layout and the checkpoint's positions."""
+    return bool(source.streamed)
 
 
 def is_text(name: str) -> bool:

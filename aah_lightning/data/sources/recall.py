@@ -1,13 +1,13 @@
 """``recall``: the associative-recall (or copy) task, generated block by block (``data/recall.py``); and the recall
-mix, recall blocks composed into the splits of a text source (``data.recall.fraction``)."""
+mix (``RecallMix``), a source that puts recall blocks into the splits of a text source (``data.recall.fraction``),
+which ``get_source`` returns in place of the text source."""
 
 from __future__ import annotations
 
 import torch
 
-from aah_lightning.data.recall import GAPS, TASKS, RecallBlocks
-from aah_lightning.data.sources.base import DataSource, Splits, register_source
-from aah_lightning.errors import require
+from aah_lightning.data.recall import RecallBlocks
+from aah_lightning.data.sources.base import DataSource, Splits, get_source, register_source
 
 
 @register_source
@@ -16,27 +16,7 @@ class RecallSource(DataSource):
     has_tokens = False
     test_setting = "data.test_blocks"
 
-    def check(self) -> None:
-        """The recall settings; checked for source=recall and for a text source with recall blocks mixed in."""
-        hp, rc = self.settings, self.settings.recall
-        require(rc.gaps in GAPS, "data.recall.gaps", rc.gaps, f"one of {', '.join(GAPS)}")
-        require(isinstance(rc.values, int) and rc.values >= 2, "data.recall.values", rc.values, ">= 2")
-        require(isinstance(rc.blocks, int) and rc.blocks >= 1, "data.recall.blocks", rc.blocks, ">= 1")
-        require(rc.task in TASKS, "data.recall.task", rc.task, f"one of {', '.join(TASKS)}")
-        require(
-            rc.copy_distance is None or (isinstance(rc.copy_distance, int) and 0 < rc.copy_distance < hp.seq_len),
-            "data.recall.copy_distance",
-            rc.copy_distance,
-            f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={hp.seq_len})",
-        )
-        slots = -(-(hp.seq_len + 1) // 3)
-        require(
-            isinstance(rc.keys, int) and rc.keys >= 2,
-            "data.recall.keys",
-            rc.keys,
-            f">= 2 (a sequence of data.seq_len={hp.seq_len} has {slots} slots; fewer keys than slots make keys come "
-            f"back early)",
-        )
+    # Its settings (data.recall) are checked by DataConfig.validate, whatever the source: a text source may mix them.
 
     @property
     def ids(self) -> int:
@@ -104,3 +84,34 @@ def with_recall(text: Splits, recall: RecallSource, fraction: float, offset: int
         return MixedBlocks(blocks, recall.blocks(share, split, offset))
 
     return Splits(train=mixed(text.train, "train"), val=mixed(text.val, "val"), test=mixed(text.test, "test"))
+
+
+class RecallMix(DataSource):
+    """The recall mix: the source ``data.source`` names (a ``mixable`` one) with the share ``data.recall.fraction``
+    of recall blocks in each of its splits, the task's keys and values above the tokenizer's ids. ``get_source``
+    returns it when the fraction is above 0, so the data module handles it as any other source."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.text = get_source(settings.source)(settings)
+        self.recall = RecallSource(settings)
+        # What the data module asks of a source is the text source's answer (map-style, with a tokenizer).
+        self.has_tokens, self.streamed = self.text.has_tokens, self.text.streamed
+        self.test_setting = self.text.test_setting
+
+    def check(self) -> None:
+        self.text.check()
+
+    def check_tokenizer(self, tokenizer) -> None:
+        self.text.check_tokenizer(tokenizer)
+
+    def vocabulary(self, tokenizer) -> tuple[int, int]:
+        vocab, eos = self.text.vocabulary(tokenizer)
+        return vocab + self.recall.ids, eos
+
+    def prepare(self, tokenizer) -> None:
+        self.text.prepare(tokenizer)
+
+    def splits(self, tokenizer, rank: int, world: int, endless: bool) -> Splits:
+        text = self.text.splits(tokenizer, rank, world, endless)
+        return with_recall(text, self.recall, self.settings.recall.fraction, tokenizer.vocab_size)
