@@ -127,3 +127,45 @@ def test_the_policy_contract_and_the_settings_import_no_policy(module):
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert imported and not [m for m in imported if m.startswith(plugins)], imported
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports: at module level, inside functions and under
+    ``TYPE_CHECKING`` alike (a deferred import still ties two modules together)."""
+    import ast
+
+    paths = {}
+    for path in (ROOT / "aah_lightning").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in graph and t != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    graph = module_graph()
+    assert "aah_lightning.windows.registry" in graph["aah_lightning.windows.config"]
+    circles = []
+    for start in sorted(graph):  # a path back to the start through the import edges is a circle
+        seen, todo = set(), [(start, [start])]
+        while todo:
+            node, path = todo.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, path + [nxt]))
+    assert not circles, "import circles:\n" + "\n".join(sorted(set(circles))[:10])

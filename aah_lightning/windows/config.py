@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from aah_lightning.checkpoint import FLAT_CONTROLLER_SETTINGS, FLAT_POLICY_SETTINGS
 from aah_lightning.errors import ConfigError, move_flat_setting, require
 from aah_lightning.windows.metrics import window_costs
-from aah_lightning.windows.policy_base import policy_class
+from aah_lightning.windows.registry import policy_class
 
 # The controller's settings, one block per part of the controller (``model.aah.controller.<block>``). They live here,
 # with every policy's settings as data, and not in the controller's modules: this module imports no policy code.

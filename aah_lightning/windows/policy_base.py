@@ -1,4 +1,4 @@
-"""The contract of a window policy, and the registry that finds one by name.
+"""The contract of a window policy (the registry that finds one by name is ``registry.py``, its names offered here).
 
 A policy is one class, registered with ``@register("name")``; ``model.aah.policy: name`` selects it. The
 LightningModule builds it with ``(cfg, n_layer, n_head, seq_len)``, asks it for the initial ``[n_layer, n_head]``
@@ -18,29 +18,25 @@ outside this package is one importable module: ``model.aah.policy: my_module:nam
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
 
-from aah_lightning.plugins import find_plugin
+from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.groups import GroupTree
+from aah_lightning.windows.registry import BUILTIN_MODULES, POLICIES, available_policies, policy_class, register
 
-if TYPE_CHECKING:  # the settings type only: config.py does not import policies, and policies import this module
-    from aah_lightning.windows.config import AAHConfig
-
-BUILTIN_MODULES = (
-    "aah_lightning.windows.policies",  # full, fixed, static, random
-    "aah_lightning.windows.controller.adaptive",  # adaptive: the AAH controller
-    "aah_lightning.windows.shuffle",  # shuffle: the controller's table permuted per layer
-)
-
-POLICIES: dict[str, type[WindowPolicy]] = {}
-
-P = TypeVar("P", bound=type)
+__all__ = [  # the registry's names are part of the contract a policy is written against
+    "BUILTIN_MODULES",
+    "POLICIES",
+    "PolicyReport",
+    "WindowPolicy",
+    "available_policies",
+    "make_policy",
+    "policy_class",
+    "register",
+]
 
 
 @dataclass
@@ -62,37 +58,6 @@ class PolicyReport:
         None  # [L, H, K] float64: the need signal of each head for each candidate at the last decision
     )
     need_signal: str = "mass"  # what ``need`` measures: ``mass`` (share of attention mass) or ``gain`` (nats)
-
-
-def register(name: str) -> Callable[[P], P]:
-    """Class decorator: make the policy selectable as ``model.aah.policy: name``."""
-
-    def add(cls: P) -> P:
-        if name in POLICIES and POLICIES[name] is not cls:
-            raise ValueError(f"two window policies are registered as {name!r}: {POLICIES[name]} and {cls}")
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-
-    return add
-
-
-def _load_builtins() -> None:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-
-
-def available_policies() -> dict[str, type[WindowPolicy]]:
-    """Every registered policy by name (the built-in ones and any imported plugin)."""
-    _load_builtins()
-    return dict(POLICIES)
-
-
-def policy_class(name: str) -> type[WindowPolicy]:
-    """The class ``model.aah.policy`` names: a registered name, or ``module:name`` of a policy in another module."""
-    if name not in POLICIES:
-        _load_builtins()
-    return find_plugin(POLICIES, name, "model.aah.policy", "policy", names=lambda: sorted(POLICIES))
 
 
 class WindowPolicy:

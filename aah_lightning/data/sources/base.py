@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aah_lightning.data.packing import TokenBlocks
-from aah_lightning.errors import ConfigError, require
+from aah_lightning.errors import ConfigError
 from aah_lightning.plugins import find_plugin
 
 _REGISTRY: dict[str, type[DataSource]] = {}
@@ -83,26 +83,15 @@ def source_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get_source(name: str, recall_fraction: float = 0.0) -> type[DataSource]:
+def source_class(name: str) -> type[DataSource]:
     """The class ``data.source`` names: a registered name, or ``module:name`` of a source registered in another
-    importable module (imported first, as ``model.aah.policy`` does for policies).
+    importable module (imported first, as ``model.aah.policy`` does for policies). ``get_source`` (the package's)
+    also wraps it in the recall mix."""
+    return find_plugin(_REGISTRY, name, "data.source", "data source")
 
-    ``recall_fraction`` (``data.recall.fraction``) above 0: the recall mix (``sources/recall.py``: ``RecallMix``), a
-    source that wraps the named one and puts that share of recall blocks in each of its splits; only a ``mixable``
-    source can be wrapped."""
-    cls = find_plugin(_REGISTRY, name, "data.source", "data source")
-    mixable = [n for n, source in _REGISTRY.items() if source.mixable]
-    require(
-        0.0 <= recall_fraction < 1.0 and (recall_fraction == 0 or cls.mixable),
-        "data.recall.fraction",
-        recall_fraction,
-        f"in [0, 1), and above 0 only with data.source {', '.join(mixable[:-1])} or {mixable[-1]}",
-    )
-    if recall_fraction == 0:
-        return cls
-    from aah_lightning.data.sources.recall import RecallMix  # it registers a source: it imports this module first
 
-    return RecallMix
+def mixable_names() -> list[str]:
+    return [n for n, source in _REGISTRY.items() if source.mixable]
 
 
 def is_stream(source: DataSource | type[DataSource]) -> bool:
@@ -114,7 +103,7 @@ def is_stream(source: DataSource | type[DataSource]) -> bool:
 def is_text(name: str) -> bool:
     """Whether the ids of source ``name`` are a tokenizer's (a source that cannot be found counts as text)."""
     try:
-        return get_source(name).has_tokens
+        return source_class(name).has_tokens
     except ConfigError:
         return True
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from aah_lightning.data.recall import RecallBlocks
-from aah_lightning.data.sources.base import DataSource, Splits, get_source, register_source
+from aah_lightning.data.sources.base import DataSource, Splits, register_source, source_class
 
 
 @register_source
@@ -93,7 +93,7 @@ class RecallMix(DataSource):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.text = get_source(settings.source)(settings)
+        self.text = source_class(settings.source)(settings)
         self.recall = RecallSource(settings)
         # What the data module asks of a source is the text source's answer (map-style, with a tokenizer).
         self.has_tokens, self.streamed = self.text.has_tokens, self.text.streamed
