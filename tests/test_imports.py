@@ -61,6 +61,7 @@ LAYERS = [
     ("inputs", "plugins", "extras"),
     ("model", "data"),
     ("checkpoint",),
+    ("model_source",),
     ("windows", "retrofit"),
     ("lit",),
     ("preflight", "export", "experiments", "benchmarks", "hf_checkpoint"),
