@@ -28,10 +28,9 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def checkpoint_of(model: GPT, tokenizer: str) -> dict:
     """The checkpoint dict of a GPT that ``aah fit`` never trained (step 0, no optimizer or loop state)."""
-    prefix = ck.WINDOWS_STATE_KEY[: -len("windows")]  # "model.": the LightningModule's GPT
     return {
         ck.GLOBAL_STEP_KEY: 0,
-        ck.STATE_DICT_KEY: {prefix + k: v for k, v in model.state_dict().items()},
+        ck.STATE_DICT_KEY: {ck.MODEL_PREFIX + k: v for k, v in model.state_dict().items()},
         ck.HPARAMS_NAME_KEY: None,
         ck.HYPER_PARAMETERS_KEY: {"gpt": asdict(model.cfg), ck.HPARAMS_FORMAT_ENTRY: ck.HPARAMS_FORMAT},
         ck.DATAMODULE_HYPER_PARAMETERS_KEY: {"tokenizer": tokenizer},
