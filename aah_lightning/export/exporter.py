@@ -31,6 +31,7 @@ from aah_lightning.checkpoint import (
     build_model,
     data_settings,
     gpt_state,
+    has_text_tokenizer,
     read_checkpoint,
 )
 from aah_lightning.errors import ConfigError
@@ -62,6 +63,7 @@ class ExportPlan:
     tensors: dict[str, torch.Tensor]
     tokenizer: TokenizerExport | None
     card: str
+    data_source: str = "stdlib"  # data.source: what a model without a tokenizer was trained on
 
 
 def check_out(out: str) -> None:
@@ -166,7 +168,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     weights, windows = hf_weights(aah_model.state_dict(), tied=gpt.tie_embeddings)
 
     tok = None
-    if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
+    if has_text_tokenizer(data, tokenizer):  # not for a model of token ids (the synthetic and recall tasks)
         setting = "--tokenizer" if tokenizer is not None else "data.tokenizer"  # the one the user gave
         tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size, setting)
     eod_id = (
@@ -195,7 +197,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
     card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype)
-    return ExportPlan(ckpt_path, config, tensors, tok, card)
+    return ExportPlan(ckpt_path, config, tensors, tok, card, data.get("source", "stdlib"))
 
 
 def _drop_attention_choice(path: str) -> None:
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
         print(f"aah export: error: {e}", file=sys.stderr)
         return 2
     c = plan.config
-    tok = "no tokenizer (synthetic data)" if plan.tokenizer is None else f"tokenizer {plan.tokenizer.spec!r}"
+    tok = f"no tokenizer ({plan.data_source} data)" if plan.tokenizer is None else f"tokenizer {plan.tokenizer.spec!r}"
     params = sum(t.numel() for t in plan.tensors.values())
     print(
         f"exported {args.ckpt_path} -> {args.out}: {c.num_hidden_layers} layers x {c.num_attention_heads} heads, "
