@@ -64,8 +64,8 @@ LAYERS = [
     ("model_source",),
     ("windows", "retrofit"),
     ("lit",),
-    ("preflight", "export", "experiments", "benchmarks", "hf_checkpoint"),
-    ("cli",),
+    ("preflight", "export", "experiments", "benchmarks"),
+    ("cli", "hf_checkpoint"),
     ("__main__",),
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -15,9 +15,10 @@ import torch
 import yaml
 
 from aah_lightning import checkpoint as ck
-from aah_lightning import hf_checkpoint, retrofit
+from aah_lightning import retrofit
 from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
+from aah_lightning.export import importer
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import hf_import
 from helpers.cli import REPO, cli_error
@@ -218,7 +219,7 @@ def test_a_resume_of_a_run_started_from_a_source_is_exact(tmp_path, tiny_args):
 def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenizer(tmp_path):
     save_tiny("qwen3", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
-    imported = hf_checkpoint.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
+    imported = importer.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
     config = retrofit.overlay(imported)
     theirs = asdict(hf_import.gpt_config(hf_import.read_config(tmp_path / "hf")))
     assert config["model"]["gpt"] == {k: theirs[k] for k in retrofit.SOURCE_SETTINGS if k != "vocab_size"}
