@@ -52,7 +52,8 @@ class ModelSource:
 
     @classmethod
     def open(cls, path, setting: str = SETTING) -> ModelSource:
-        """The source at ``path``, of the first kind in ``KINDS`` that recognises it."""
+        """The source at ``path``, of the first kind in ``KINDS`` that recognises it (a source already opened is
+        returned as it is, so a caller that holds one never reads the files again)."""
         if isinstance(path, ModelSource):
             return path
         if not os.path.exists(path):
