@@ -80,8 +80,10 @@ POLICY_KEY = "aah_policy"
 RNG_KEY = "aah_rng"
 WINDOW_USAGE_KEY = "aah_window_usage"
 
-# Inside ``state_dict``: the window table (``AAHModule.model`` is the GPT; its buffer ``windows``).
-WINDOWS_STATE_KEY = "model.windows"
+# Inside ``state_dict``: the LightningModule's GPT (``AAHModule.model``) names its weights with this prefix, and its
+# buffer ``windows`` is the window table.
+MODEL_PREFIX = "model."
+WINDOWS_STATE_KEY = MODEL_PREFIX + "windows"
 # torch.compile's wrapper adds this to the names of compiled blocks' weights.
 COMPILED_PREFIX = "_orig_mod."
 
@@ -373,6 +375,20 @@ def plain_key(key: str) -> str:
     return key.replace(COMPILED_PREFIX, "")
 
 
+def gpt_state(state_dict: Mapping) -> dict[str, torch.Tensor]:
+    """The GPT's own state dict (its weights and window table ``windows``) in a LightningModule's ``state_dict``:
+    the entries under ``MODEL_PREFIX``, without it and with compiled blocks' names plain."""
+    return {plain_key(k)[len(MODEL_PREFIX) :]: v for k, v in state_dict.items() if k.startswith(MODEL_PREFIX)}
+
+
+def has_text_tokenizer(data: Mapping, tokenizer: str | None = None) -> bool:
+    """Whether a checkpoint's model reads text through a tokenizer: the one rule that import, export, generation and
+    ``model.init_from`` follow. ``data``: its data settings (``data_settings``); ``tokenizer``: one the user gave,
+    which always counts. A model of token ids (``data.source`` synthetic or recall: sources whose ids are no
+    tokenizer's) has none; an unknown source counts as text."""
+    return tokenizer is not None or is_text(data.get("source", "stdlib"))
+
+
 def upgrade_hyperparameters(hparams: Mapping) -> dict:
     """The module's hyperparameters ``hparams`` of any layout in today's (``HPARAMS_FORMAT``): format 1's flat GPT
     settings moved into ``gpt``, format 1's and 2's flat policy settings into their policy's
@@ -485,10 +501,8 @@ def build_model(checkpoint: Mapping, path="checkpoint", setting: str = "checkpoi
         model = GPT(GPTConfig(**gpt_settings(checkpoint)))
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} does not describe an aah GPT ({e})") from e
-    prefix = WINDOWS_STATE_KEY[: -len("windows")]  # "model.": the LightningModule's GPT
-    weights = {plain_key(k)[len(prefix) :]: v for k, v in checkpoint[STATE_DICT_KEY].items() if k.startswith(prefix)}
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(gpt_state(checkpoint[STATE_DICT_KEY]))
     except RuntimeError as e:  # missing, unexpected, or tensors of another shape than the hyperparameters say
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise ConfigError(f"{where}: its weights do not match its hyperparameters ({lines[-1][:200]})") from e
@@ -500,7 +514,7 @@ def checkpoint_tokenizer(checkpoint: Mapping, tokenizer: str | None = None, sett
     a model of token ids (``data.source`` synthetic or recall) unless ``tokenizer`` is given. A tokenizer with more ids
     than the model's vocabulary is a ``ConfigError`` (naming ``setting`` when ``tokenizer`` was given)."""
     data = data_settings(checkpoint)
-    if tokenizer is None and not is_text(data.get("source", "stdlib")):
+    if not has_text_tokenizer(data, tokenizer):
         return None
     spec = tokenizer or data.get("tokenizer", "byte")
     tok = load_tokenizer(spec, setting if tokenizer else "data.tokenizer")

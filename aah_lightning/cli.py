@@ -408,7 +408,7 @@ def main(args=None) -> None:
 
         sys.exit(export_main(list(argv[1:])))
     if isinstance(argv, (list, tuple)) and argv and argv[0] == "import":  # a Hugging Face folder -> an aah checkpoint
-        from aah_lightning.hf_checkpoint import main as import_main
+        from aah_lightning.export.importer import main as import_main
 
         sys.exit(import_main(list(argv[1:])))
     try:

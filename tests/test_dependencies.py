@@ -149,7 +149,7 @@ def test_aah_export_without_the_hf_extra_says_so(monkeypatch, tmp_path, capsys, 
 
 
 def test_aah_import_without_safetensors_says_so(monkeypatch, tmp_path, capsys):
-    from aah_lightning.hf_checkpoint import main
+    from aah_lightning.export.importer import main
     from helpers.hf_models import save_tiny, save_tokenizer
 
     folder = tmp_path / "hf"

@@ -1,5 +1,5 @@
-"""``python -m aah_lightning.hf_checkpoint``: a Hugging Face folder written as an aah checkpoint that every reader of
-checkpoints takes, with the folder's tokenizer."""
+"""``aah import`` (aah_lightning/export/importer.py; ``python -m aah_lightning.hf_checkpoint``): a Hugging Face
+folder written as an aah checkpoint that every reader of checkpoints takes, with the folder's tokenizer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from aah_lightning import checkpoint as ck
-from aah_lightning import hf_checkpoint
 from aah_lightning.errors import ConfigError
+from aah_lightning.export import importer
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import generate as gen
 from aah_lightning.model import hf_import
@@ -18,7 +18,7 @@ from helpers.hf_models import T, save_tiny, save_tokenizer
 def test_an_imported_checkpoint_loads_with_its_tokenizer_and_generates(tmp_path, capsys):
     theirs = save_tiny("qwen3", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
-    assert hf_checkpoint.main([str(tmp_path / "hf"), "--out", str(tmp_path / "qwen3.ckpt")]) == 0
+    assert importer.main([str(tmp_path / "hf"), "--out", str(tmp_path / "qwen3.ckpt")]) == 0
     assert "2 layers x 4 heads (2 key/value)" in capsys.readouterr().out
     model, tok = ck.load_model(tmp_path / "qwen3.ckpt")
     assert list(tok.encode("w3 w5")) == [3, 5] and tok.eos_id == 63
@@ -39,7 +39,7 @@ def test_an_imported_checkpoint_loads_with_its_tokenizer_and_generates(tmp_path,
 def test_a_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path, capsys):
     save_tiny("llama3", tmp_path / "hf")
     capsys.readouterr()  # transformers' progress bar
-    assert hf_checkpoint.main([str(tmp_path / "hf"), "--out", str(tmp_path / "x.ckpt")]) == 2
+    assert importer.main([str(tmp_path / "hf"), "--out", str(tmp_path / "x.ckpt")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("no tokenizer.json: pass --tokenizer (a tokenizer.json or hub name)") and "\n" not in err
     assert not (tmp_path / "x.ckpt").exists()
@@ -91,3 +91,27 @@ def test_aah_import_writes_the_checkpoint_and_refuses_a_bad_folder_in_one_line(t
     assert not (tmp_path / "x.ckpt").exists()
     code, _, err = aah_import([str(tmp_path / "hf"), "--out", str(tmp_path / "empty")], capsys)
     assert code == 2 and "is a folder: name the checkpoint file to write" in err
+
+
+def test_aah_import_writes_through_the_atomic_writer(tmp_path, capsys, monkeypatch):
+    """Every file aah import writes goes through lit/atomic_files.atomic_torch_save: a kill leaves no half file."""
+    save_tiny("qwen3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    written = []
+    real = importer.atomic_torch_save
+    monkeypatch.setattr(importer, "atomic_torch_save", lambda obj, path: written.append(path) or real(obj, path))
+    assert importer.main([str(tmp_path / "hf"), "--out", str(tmp_path / "q.ckpt")]) == 0
+    assert written == [tmp_path / "q.ckpt"]
+
+
+@pytest.mark.parametrize("module", ["aah_lightning.hf_checkpoint", "aah_lightning.export"])
+def test_the_documented_module_entries_still_run(module):
+    import os
+    import subprocess
+    import sys
+
+    from helpers.cli import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert done.returncode == 0 and "--out" in done.stdout, done.stderr

@@ -61,10 +61,11 @@ LAYERS = [
     ("inputs", "plugins", "extras"),
     ("model", "data"),
     ("checkpoint",),
+    ("model_source",),
     ("windows", "retrofit"),
     ("lit",),
-    ("preflight", "export", "experiments", "benchmarks", "hf_checkpoint"),
-    ("cli",),
+    ("preflight", "export", "experiments", "benchmarks"),
+    ("cli", "hf_checkpoint"),
     ("__main__",),
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -15,9 +15,10 @@ import torch
 import yaml
 
 from aah_lightning import checkpoint as ck
-from aah_lightning import hf_checkpoint, retrofit
+from aah_lightning import retrofit
 from aah_lightning.cli import main
 from aah_lightning.errors import ConfigError
+from aah_lightning.export import importer
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import hf_import
 from helpers.cli import REPO, cli_error
@@ -155,6 +156,31 @@ def test_the_weights_load_into_the_model_but_the_table_comes_from_the_policy(tmp
     assert "init_from" not in module.hparams  # a checkpoint of the run is complete without the source
 
 
+def test_a_run_opens_its_source_once(tmp_path, tiny_args, monkeypatch):
+    """The settings, the padded vocabulary, the check and the weights all come from one opening of the source
+    (model_source.ModelSource): an aah checkpoint is read once, a Hugging Face folder's config and weights once each."""
+    source = _trained_tiny(tiny_args, tmp_path / "src")
+    saved = ck.read_checkpoint(source)
+    opened = []
+
+    def counting(read):
+        return lambda path, *args, **kwargs: opened.append((read.__name__, str(path))) or read(path, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "read_checkpoint", counting(ck.read_checkpoint))
+    AAHModule(**ck.hyperparameters(saved), init_from=source).configure_model()
+    assert opened == [("read_checkpoint", source)]
+
+    save_tiny("qwen3", tmp_path / "hf")
+    folder = str(tmp_path / "hf")
+    for name in ("read_config", "read_weights"):
+        monkeypatch.setattr(hf_import, name, counting(getattr(hf_import, name)))
+    opened.clear()
+    module = AAHModule(gpt=hf_import.gpt_config(hf_import.read_config(folder)), init_from=folder)
+    opened.clear()  # the settings above were this test's own reading
+    AAHModule(gpt=module.gpt_config, init_from=folder).configure_model()
+    assert opened == [("read_config", folder), ("read_weights", folder)]
+
+
 def test_settings_that_do_not_build_the_source_are_refused_in_one_line(tmp_path, tiny_args, capsys):
     source = _trained_tiny(tiny_args, tmp_path / "src")
     args = tiny_args(f"--model.init_from={source}", "--model.gpt.n_embd=64", "--model.gpt.norm=rmsnorm")
@@ -193,7 +219,7 @@ def test_a_resume_of_a_run_started_from_a_source_is_exact(tmp_path, tiny_args):
 def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenizer(tmp_path):
     save_tiny("qwen3", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
-    imported = hf_checkpoint.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
+    imported = importer.write_checkpoint(tmp_path / "hf", tmp_path / "imported.ckpt")
     config = retrofit.overlay(imported)
     theirs = asdict(hf_import.gpt_config(hf_import.read_config(tmp_path / "hf")))
     assert config["model"]["gpt"] == {k: theirs[k] for k in retrofit.SOURCE_SETTINGS if k != "vocab_size"}

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from aah_lightning.checkpoint import WINDOWS_STATE_KEY, build_model, data_settings, plain_key, read_checkpoint
+from aah_lightning.checkpoint import (
+    MODEL_PREFIX,
+    WINDOWS_STATE_KEY,
+    build_model,
+    data_settings,
+    gpt_state,
+    has_text_tokenizer,
+    read_checkpoint,
+)
 from aah_lightning.errors import ConfigError
 from aah_lightning.export import model_card
 from aah_lightning.export.tokenizer import TokenizerExport, prepare_tokenizer
@@ -55,6 +63,7 @@ class ExportPlan:
     tensors: dict[str, torch.Tensor]
     tokenizer: TokenizerExport | None
     card: str
+    data_source: str = "stdlib"  # data.source: what a model without a tokenizer was trained on
 
 
 def check_out(out: str) -> None:
@@ -73,25 +82,30 @@ def check_out(out: str) -> None:
         raise ConfigError(f"--out={out!r} cannot be created: {existing} is not writable")
 
 
-def model_state(state_dict: dict, tied: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The GPT's weights from a LightningModule state dict, named as the exported model names them (``model.*``;
-    compiled blocks' ``_orig_mod.`` dropped), and its window table. A tied output layer is the embedding matrix, so
-    it is not stored twice; an untied one (``tied`` False) is the exported model's ``lm_head.weight``."""
-    weights, windows = {}, None
-    for key, value in state_dict.items():
-        if not key.startswith("model."):
-            continue
-        name = plain_key(key)
-        if name == WINDOWS_STATE_KEY:
-            windows = value
-        elif name == "model.lm_head.weight":
-            if not tied:
-                weights["lm_head.weight"] = value
-        else:
-            weights[name] = value
-    if windows is None or "model.wte.weight" not in weights:
-        raise ValueError("no GPT weights or window table (model.wte.weight, model.windows) in the state dict")
+# The exported model (modeling_aah.AAHForCausalLM, base_model_prefix "model") names its GPT's weights with this
+# prefix: transformers' own convention, which happens to be the string of the LightningModule's checkpoint.MODEL_PREFIX.
+HF_MODEL_PREFIX = "model."
+
+
+def hf_weights(gpt_state: dict, tied: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A GPT's own state dict (``GPT.state_dict()``, ``checkpoint.gpt_state``) as the exported model names it, and its
+    window table. A tied output layer is the embedding matrix, so it is not stored twice; an untied one (``tied``
+    False) is the exported model's ``lm_head.weight``."""
+    windows = gpt_state.get("windows")
+    if windows is None or "wte.weight" not in gpt_state:
+        raise ValueError(
+            f"no GPT weights or window table ({MODEL_PREFIX}wte.weight, {WINDOWS_STATE_KEY}) in the state dict"
+        )
+    weights = {HF_MODEL_PREFIX + k: v for k, v in gpt_state.items() if k not in ("windows", "lm_head.weight")}
+    if not tied:
+        weights["lm_head.weight"] = gpt_state["lm_head.weight"]
     return weights, windows
+
+
+def model_state(state_dict: dict, tied: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The GPT's weights from a LightningModule state dict (compiled blocks' ``_orig_mod.`` dropped), named as the
+    exported model names them, and its window table (``hf_weights``)."""
+    return hf_weights(gpt_state(state_dict), tied)
 
 
 # GPTConfig's RoPE scaling as the exported config names it (configuration_aah.py: transformers rewrites configs that
@@ -151,15 +165,15 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
     aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
     gpt, data = aah_model.cfg, data_settings(ckpt)
-    weights, windows = model_state(
-        {f"model.{k}": v for k, v in aah_model.state_dict().items()}, tied=gpt.tie_embeddings
-    )
+    weights, windows = hf_weights(aah_model.state_dict(), tied=gpt.tie_embeddings)
 
     tok = None
-    if tokenizer is not None or data.get("source") != "synthetic":  # a synthetic task has no text tokenizer
+    if has_text_tokenizer(data, tokenizer):  # not for a model of token ids (the synthetic and recall tasks)
         setting = "--tokenizer" if tokenizer is not None else "data.tokenizer"  # the one the user gave
         tok = prepare_tokenizer(tokenizer or data.get("tokenizer", "byte"), gpt.vocab_size, setting)
-    eod_id = tok.eod_id if tok is not None else gpt.vocab_size - 1  # synthetic: the id after the symbols
+    eod_id = (
+        tok.eod_id if tok is not None else gpt.vocab_size - 1
+    )  # token ids: the last id (synthetic: after the symbols)
     config = hf_config(gpt, windows, eod_id)
 
     from aah_lightning.export.hf_code.modeling_aah import AAHForCausalLM
@@ -183,7 +197,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
     card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype)
-    return ExportPlan(ckpt_path, config, tensors, tok, card)
+    return ExportPlan(ckpt_path, config, tensors, tok, card, data.get("source", "stdlib"))
 
 
 def _drop_attention_choice(path: str) -> None:
@@ -270,7 +284,7 @@ def main(argv=None) -> int:
         print(f"aah export: error: {e}", file=sys.stderr)
         return 2
     c = plan.config
-    tok = "no tokenizer (synthetic data)" if plan.tokenizer is None else f"tokenizer {plan.tokenizer.spec!r}"
+    tok = f"no tokenizer ({plan.data_source} data)" if plan.tokenizer is None else f"tokenizer {plan.tokenizer.spec!r}"
     params = sum(t.numel() for t in plan.tensors.values())
     print(
         f"exported {args.ckpt_path} -> {args.out}: {c.num_hidden_layers} layers x {c.num_attention_heads} heads, "

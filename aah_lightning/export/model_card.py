@@ -157,7 +157,7 @@ def snippet(path: str, tok) -> list[str]:
     ]
     if tok is None:
         lines += [
-            "ids = torch.tensor([[0, 1, 2]])  # no tokenizer (synthetic data): token ids",
+            "ids = torch.tensor([[0, 1, 2]])  # no tokenizer (a model of token ids)",
             "out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)",
             "print(out[0].tolist())",
         ]
@@ -186,12 +186,12 @@ def render(
     snippet loads it; ``dtype``: the weights' (and so the cache's) dtype."""
     training = {"model": hyperparameters(ckpt), "data": data_summary(data)}
     step = ckpt.get(GLOBAL_STEP_KEY)
+    source = data.get("source", "?")
     tokenizer = (
-        "none (trained on synthetic data): pass token ids"
+        f"none (trained on {source} data): pass token ids"
         if tok is None
         else f"`{tok.spec}`; end-of-document token `{tok.eod}` = id {tok.eod_id}"
     )
-    source = data.get("source", "?")
     where = data.get("hub_name") or data.get("paths") or data.get("path")
     seen = tokens_seen(ckpt, gpt.seq_len)
     scores = best_scores(ckpt)

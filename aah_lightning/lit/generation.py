@@ -160,7 +160,9 @@ class ValidationSample(L.Callback):
             return
         media = media_loggers(trainer)
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-        if not media or tokenizer is None:  # no logger shows text, or a synthetic task without text
+        # No logger shows text, or a model of token ids (the synthetic and recall tasks): the data module has no
+        # tokenizer by the same test of data.source as checkpoint.has_text_tokenizer.
+        if not media or tokenizer is None:
             return
         model = pl_module.model
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):

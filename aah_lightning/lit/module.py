@@ -40,6 +40,7 @@ from aah_lightning.lit.lightning_private import attached_trainer
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model_source import ModelSource
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import make_policy
 
@@ -161,8 +162,10 @@ class AAHModule(L.LightningModule):
         gpt = GPTConfig(**gpt) if isinstance(gpt, Mapping) else gpt or DEFAULT_GPT
         aah = AAHConfig(**aah) if isinstance(aah, Mapping) else aah or AAHConfig()
         optim = OptimConfig(**optim) if isinstance(optim, Mapping) else optim or OptimConfig()
-        if init_from is not None:  # a source with a padded vocabulary keeps its embedding rows
-            gpt = retrofit.padded_vocabulary(gpt, init_from)
+        # The source is opened once: its settings, vocabulary and (in configure_model) its weights.
+        self._source = ModelSource.open(init_from) if init_from is not None else None
+        if self._source is not None:  # a source with a padded vocabulary keeps its embedding rows
+            gpt = self._source.padded(gpt)
         # The settings dataclasses as plain dicts (checkpoints load with torch.load(weights_only=True)), with the
         # version of this layout (checkpoint.HPARAMS_FORMAT_ENTRY).
         self.save_hyperparameters(
@@ -172,8 +175,8 @@ class AAHModule(L.LightningModule):
         self.gpt_config, self.aah_config, self.optim_config = gpt, aah, optim
         # Not a hyperparameter: a checkpoint of this run holds the weights, its model never needs the source again.
         self.init_from = init_from
-        if init_from is not None:
-            retrofit.check_source(gpt, init_from)  # one line naming what differs, before anything is built
+        if self._source is not None:
+            retrofit.check_source(gpt, self._source)  # one line naming what differs, before anything is built
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
         self.model = GPT(self.gpt_config)
@@ -216,7 +219,8 @@ class AAHModule(L.LightningModule):
         if self.init_from is not None:
             # Into the whole model, before FSDP2 shards it. A resume (--ckpt_path) restores its checkpoint after this
             # hook under every strategy, so the restored weights replace these.
-            retrofit.load_weights(self.model, self.init_from)
+            retrofit.load_weights(self.model, self._source or self.init_from)
+            self._source = None  # the weights are in the model: the source's files are not held any longer
         distributed.prepare_model(self, cfg.compile_blocks, cfg.activation_checkpointing)
         self._prepared = True
 

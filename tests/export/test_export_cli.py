@@ -156,6 +156,22 @@ def test_synthetic_checkpoint_exports_without_a_tokenizer(make_module, write_che
     assert json.loads((tmp_path / "syn" / "config.json").read_text())["eos_token_id"] == 256
 
 
+def test_a_recall_checkpoint_has_no_text_tokenizer_anywhere(make_module, write_checkpoint, tmp_path, capsys):
+    """One rule (checkpoint.has_text_tokenizer): a recall-task model reads token ids, as a synthetic one does, for
+    the export, load_model (generation, inspection) and model.init_from alike."""
+    from aah_lightning import checkpoint as ck
+    from aah_lightning import retrofit
+
+    ckpt = write_checkpoint(make_module(seed=5), tmp_path / "recall.ckpt", source="recall")
+    assert not ck.has_text_tokenizer(ck.data_settings(ck.read_checkpoint(ckpt)))
+    assert ck.load_model(ckpt)[1] is None
+    assert retrofit.source_tokenizer(ckpt) is None and "data" not in retrofit.overlay(ckpt)
+    code, printed, _ = run_export(["--ckpt_path", ckpt, "--out", str(tmp_path / "recall")], capsys)
+    assert code == 0 and "no tokenizer (recall data)" in printed
+    assert not (tmp_path / "recall" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "recall" / "config.json").read_text())["eos_token_id"] == 256
+
+
 def test_compiled_block_names_and_the_tied_output_layer_are_mapped(make_module, write_checkpoint, tmp_path):
     from aah_lightning.export.exporter import model_state
 
