@@ -211,6 +211,11 @@ class HFFolder(ModelSource):
     def weights(self, cfg: GPTConfig) -> dict[str, torch.Tensor]:
         return hf_import.gpt_state_dict(hf_import.read_weights(self.path), cfg, os.fspath(self.path))
 
+    def model(self, seq_len: int | None = None) -> GPT:
+        """The whole model as it stands, for ``aah import``: the GPT at context ``seq_len`` (default its
+        ``max_position_embeddings``) with its weights and its own windows (a sliding-window config's)."""
+        return hf_import.import_folder(self.path, seq_len, hf=self.hf_config)
+
 
 # The kinds of source, tried in order by ``ModelSource.open``: folders by their marker file (config.json first), a
 # file last.

@@ -115,3 +115,16 @@ def test_the_documented_module_entries_still_run(module):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, env=env)
     assert done.returncode == 0 and "--out" in done.stdout, done.stderr
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_anything_is_written(tmp_path, capsys):
+    folder = tmp_path / "hf"
+    save_tiny("llama3", folder)  # a vocabulary of 64
+    (tmp_path / "big").mkdir()
+    save_tokenizer(tmp_path / "big", vocab_size=65)
+    capsys.readouterr()  # transformers' progress bar
+    out = tmp_path / "out" / "x.ckpt"
+    assert importer.main([str(folder), "--out", str(out), "--tokenizer", str(tmp_path / "big")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 65 ids, the checkpoint's model 64" in err[0], err
+    assert not out.exists() and not (tmp_path / "out").exists()  # nothing written, not even the folder

@@ -25,8 +25,7 @@ from aah_lightning.errors import CheckpointWriteError, ConfigError
 from aah_lightning.lit.atomic_files import atomic_torch_save
 from aah_lightning.model import hf_import
 from aah_lightning.model.gpt import GPT
-
-TOKENIZER_FILE = "tokenizer.json"
+from aah_lightning.model_source import TOKENIZER_FILE, HFFolder
 
 
 def checkpoint_of(model: GPT, tokenizer: str) -> dict:
@@ -48,19 +47,22 @@ def write_checkpoint(folder, out, seq_len: int | None = None, tokenizer: str | N
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise ConfigError(f"{os.fspath(given)!r} {what}: pass a Hugging Face model folder (config.json, safetensors)")
-    # The config first (no config.json, not JSON, a family or setting aah cannot run), then the tokenizer.
-    hf_import.gpt_config(hf_import.read_config(folder), seq_len, where=f"{folder}/{hf_import.CONFIG_FILE}")
+    source = HFFolder(folder)  # config.json read once; every problem with it is one line
+    # The settings first (a family or setting aah cannot run), then the tokenizer, then the weights.
+    hf_import.gpt_config(source.hf_config, seq_len, where=f"{folder}/{hf_import.CONFIG_FILE}")
     if tokenizer is None:
-        if not (folder / TOKENIZER_FILE).is_file():
+        if source.tokenizer is None:
             raise ConfigError(f"{folder}: no {TOKENIZER_FILE}: pass --tokenizer (a tokenizer.json or hub name)")
-        tokenizer = str(folder)
-    model = hf_import.import_folder(folder, seq_len)
+        tokenizer = source.tokenizer
+    checkpoint = checkpoint_of(source.model(seq_len), tokenizer)
+    # Every refusal before the first byte is written: a tokenizer with more ids than the model's vocabulary too.
+    ck.checkpoint_tokenizer(checkpoint, tokenizer, setting="--tokenizer")
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out={os.fspath(out)!r} is a folder: name the checkpoint file to write (.ckpt)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(checkpoint_of(model, tokenizer), out)
+        atomic_torch_save(checkpoint, out)
     except OSError as e:
         raise ConfigError(f"--out={os.fspath(out)!r} could not be written ({e.strerror or e})") from e
     except CheckpointWriteError as e:  # a full disk or a failed write: one line that names the space needed

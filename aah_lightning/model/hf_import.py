@@ -208,9 +208,10 @@ def gpt_state_dict(weights: Mapping[str, Tensor], cfg: GPTConfig, where="weights
     return out
 
 
-def import_folder(folder, seq_len: int | None = None, backend: str = "auto") -> GPT:
-    """The GPT of a Hugging Face folder, in eval mode on the CPU in float32, with the model's own windows."""
-    hf = read_config(folder)
+def import_folder(folder, seq_len: int | None = None, backend: str = "auto", hf: Mapping | None = None) -> GPT:
+    """The GPT of a Hugging Face folder, in eval mode on the CPU in float32, with the model's own windows (``hf``:
+    its config.json already read)."""
+    hf = read_config(folder) if hf is None else hf
     where = f"{folder}/{CONFIG_FILE}"
     cfg = gpt_config(hf, seq_len, backend, where)
     state = gpt_state_dict(read_weights(folder), cfg, str(folder))
