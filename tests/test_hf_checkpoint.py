@@ -94,7 +94,7 @@ def test_aah_import_writes_the_checkpoint_and_refuses_a_bad_folder_in_one_line(t
 
 
 def test_aah_import_writes_through_the_atomic_writer(tmp_path, capsys, monkeypatch):
-    """Every file aah import writes goes through lit/atomic_files.atomic_torch_save: a kill leaves no half file."""
+    """Every file aah import writes goes through atomic.atomic_torch_save: a kill leaves no half file."""
     save_tiny("qwen3", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
     written = []

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from aah_lightning.atomic import publish_folder
 from aah_lightning.errors import ConfigError
 
 FORMAT = "aah-token-folder"
@@ -208,7 +209,7 @@ class FolderWriter:
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.rename(self.tmp, self.out)
+            publish_folder(self.tmp, self.out)
         except OSError:  # another process finished the same folder first: keep theirs if it is whole
             shutil.rmtree(self.tmp, ignore_errors=True)
             read_meta(self.out, "folder")

@@ -6,9 +6,11 @@ protocol.md, the exact tests of protocol.py)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 
+from aah_lightning.atomic import atomic_write_text
 from aah_lightning.experiments import plots
 from aah_lightning.experiments.protocol import protocol_md
 from aah_lightning.experiments.records import COLUMNS, eval_lengths
@@ -27,34 +29,30 @@ def write_outputs(
     ``records``: one per run (records.summarise and more); ``rows`` in table order; ``curves``: (row, seed) -> the
     run's val/loss series; ``heads``: (row, seed) -> records.window_summary's tables."""
     fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
-    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(records)
+    rows_csv = io.StringIO(newline="")
+    writer = csv.DictWriter(rows_csv, fieldnames=fields, restval="")
+    writer.writeheader()
+    writer.writerows(records)
+    atomic_write_text(os.path.join(out, "results.csv"), rows_csv.getvalue())
 
     if heads:
-        with open(os.path.join(out, "tables.json"), "w") as f:
-            by_run = {r: {str(seed): heads[(r, seed)] for (rr, seed) in sorted(heads) if rr == r} for r in rows}
-            json.dump(by_run, f, indent=1)
+        by_run = {r: {str(seed): heads[(r, seed)] for (rr, seed) in sorted(heads) if rr == r} for r in rows}
+        atomic_write_text(os.path.join(out, "tables.json"), json.dumps(by_run, indent=1))
     by_row = {r: [x for x in records if x["row"] == r] for r in rows}
     base = baseline_by_seed(by_row, "val_loss")
     table = results_table(by_row, rows, base)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(table)
+    atomic_write_text(os.path.join(out, "results.md"), table)
     plots.plot_vs_acr(out, by_row, base)
     plots.plot_curves(out, by_row, curves)
-    with open(os.path.join(out, "positions.md"), "w") as f:
-        f.write(position_tables(records, rows))
+    atomic_write_text(os.path.join(out, "positions.md"), position_tables(records, rows))
     if any(FRONTIER_ROW.match(r) for r in rows):
         frontier = frontier_md(by_row, base, records)
-        with open(os.path.join(out, "frontier.md"), "w") as f:
-            f.write(frontier)
+        atomic_write_text(os.path.join(out, "frontier.md"), frontier)
         plots.plot_frontier(out, by_row, base, eval_lengths(records))
         plots.plot_recall(out, by_row)
         table += "\n" + frontier
         if any("recall_acc" in x for x in records):  # bimodal outcomes: the exact tests
             protocol = protocol_md(by_row, rows, heads or {})
-            with open(os.path.join(out, "protocol.md"), "w") as f:
-                f.write(protocol)
+            atomic_write_text(os.path.join(out, "protocol.md"), protocol)
             table += "\n" + protocol
     return table

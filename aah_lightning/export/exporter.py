@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aah_lightning.atomic import publish_folder
 from aah_lightning.checkpoint import (
     MODEL_PREFIX,
     WINDOWS_STATE_KEY,
@@ -241,7 +242,7 @@ def write(plan: ExportPlan, out: str) -> None:
             f.write(plan.card)
         if os.path.isdir(out):  # an empty folder (check_out): replaced by the finished one
             os.rmdir(out)
-        os.rename(tmp, out)
+        publish_folder(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):

@@ -8,7 +8,7 @@ Qwen3ForCausalLM; its own windows in the table) and written as a checkpoint that
 takes (``checkpoint.load_model``: generation, inspection, the export): the GPT's settings and weights, step 0, and
 the folder's ``tokenizer.json`` as the data settings' tokenizer (by absolute path). It holds no optimizer or loop
 state: it starts runs (``model.init_from``, docs/retrofit.md), it does not resume one. The file is written as
-``aah fit`` writes its checkpoints (``lit/atomic_files.atomic_torch_save``): an interrupted import leaves no
+``aah fit`` writes its checkpoints (``atomic.atomic_torch_save``): an interrupted import leaves no
 half-written file.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from aah_lightning import checkpoint as ck
+from aah_lightning.atomic import atomic_torch_save
 from aah_lightning.errors import CheckpointWriteError, ConfigError
-from aah_lightning.lit.atomic_files import atomic_torch_save
 from aah_lightning.model import hf_import
 from aah_lightning.model.gpt import GPT
 from aah_lightning.model_source import TOKENIZER_FILE, HFFolder

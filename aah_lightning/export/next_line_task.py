@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aah_lightning.atomic import atomic_write_text
+
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks", "aah_python_next_line")
 EOD = 256  # the byte tokenizer's end-of-document id
 CHOICES = 4
@@ -180,12 +182,9 @@ def quickstart_split(config: str):
 def write_task_data(examples: list[dict], out: str, meta: dict) -> None:
     os.makedirs(out, exist_ok=True)
     payload = "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in examples)
-    with open(os.path.join(out, "data.jsonl"), "w", encoding="utf-8") as f:
-        f.write(payload)
+    atomic_write_text(os.path.join(out, "data.jsonl"), payload)
     meta = {**meta, "examples": len(examples), "sha256": hashlib.sha256(payload.encode("utf-8")).hexdigest()}
-    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
-        f.write("\n")
+    atomic_write_text(os.path.join(out, "meta.json"), json.dumps(meta, indent=2) + "\n")
 
 
 def main(argv=None) -> int:

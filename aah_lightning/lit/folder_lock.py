@@ -19,8 +19,8 @@ from typing import Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from aah_lightning.atomic import partial_name, pid_alive
 from aah_lightning.errors import ConfigError
-from aah_lightning.lit.atomic_files import partial_name, pid_alive
 
 LOCK_NAME = ".aah-lock"  # hidden, not *.ckpt: no checkpoint search ever sees it
 

@@ -2,7 +2,7 @@
 
 Under FSDP2 a checkpoint is a folder that every rank writes itself, outside the checkpoint plugin. This strategy has
 every rank write into a hidden temporary folder, then rank 0 makes it the destination in one atomic step
-(``swap_in``: a symbolic link swapped with ``os.replace``), as ``lit/atomic_files.py`` does for single files.
+(``swap_in``: a symbolic link swapped with ``os.replace``), as ``atomic.py`` does for single files.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from aah_lightning.atomic import fsync_dir, partial_name, remove_stale_partials
 from aah_lightning.checkpoint import is_remote
-from aah_lightning.lit.atomic_files import fsync_dir, partial_name, remove_stale_partials
 
 
 def swap_in(tmp: str, final: str) -> None:

@@ -20,6 +20,7 @@ import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 
+from aah_lightning.atomic import atomic_write_text
 from aah_lightning.data.prompts import encode_prompt
 from aah_lightning.errors import ConfigError, require
 from aah_lightning.lit.distributed import gather
@@ -45,25 +46,8 @@ def check_writable(path: str, setting: str = "generate.output") -> None:
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    """All rows or nothing: a temporary file in the same folder, renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".aah-predict-", suffix=".tmp")
-    try:
-        # mkstemp makes the file owner-only (0600): give it the mode a plain open() would, or the one it replaces.
-        if os.path.exists(path):
-            mode = os.stat(path).st_mode & 0o7777
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """All rows or nothing (``atomic_write_text``)."""
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 class GenerationWriter(BasePredictionWriter):

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch.distributed import ReduceOp
 
+from aah_lightning.atomic import atomic_write_text
 from aah_lightning.errors import ConfigError, TrainingDiverged
 
 _NO_STEP = 2**62
@@ -156,6 +157,5 @@ class NonFiniteGuard(L.Callback):
                 for _, epoch, batch_idx, loss, indices in batches
             ],
         }
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        atomic_write_text(path, json.dumps(report, indent=1))
         return path

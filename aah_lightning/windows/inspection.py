@@ -11,10 +11,12 @@ The ``group`` column is the head's level-0 group in its layer; it is empty when 
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import torch
 
+from aah_lightning.atomic import atomic_write_text
 from aah_lightning.checkpoint import GLOBAL_STEP_KEY, POLICY_KEY, hyperparameters, read_checkpoint, window_table
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics, plots
@@ -90,14 +92,15 @@ def report(info: dict, seq_len: int, block_size: int) -> str:
 
 
 def write_csv(path, table: torch.Tensor, trees) -> None:
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["layer", "head", "group", "window"])
-        for layer, row in enumerate(table.tolist()):
-            tree = None if trees is None else trees[layer]
-            for head, window in enumerate(row):
-                group = None if tree is None else tree.group_of(head)
-                out.writerow([layer, head, "" if group is None else group, window])
+    text = io.StringIO(newline="")
+    out = csv.writer(text)
+    out.writerow(["layer", "head", "group", "window"])
+    for layer, row in enumerate(table.tolist()):
+        tree = None if trees is None else trees[layer]
+        for head, window in enumerate(row):
+            group = None if tree is None else tree.group_of(head)
+            out.writerow([layer, head, "" if group is None else group, window])
+    atomic_write_text(path, text.getvalue())
 
 
 def settings(info: dict, seq_len: int | None, block_size: int | None, mask) -> tuple[int, int]:

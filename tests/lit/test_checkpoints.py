@@ -18,11 +18,13 @@ import lightning as L
 import pytest
 import torch
 
+from aah_lightning import atomic
+from aah_lightning.atomic import PARTIAL_PREFIX
 from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import AAHCLI, main
 from aah_lightning.errors import CheckpointWriteError, ConfigError
-from aah_lightning.lit import atomic_files, folder_lock
-from aah_lightning.lit.atomic_files import PARTIAL_PREFIX, AtomicCheckpointIO
+from aah_lightning.lit import folder_lock
+from aah_lightning.lit.atomic_files import AtomicCheckpointIO
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.last_checkpoint import LastCheckpoint
 from aah_lightning.lit.module import AAHModule
@@ -132,9 +134,9 @@ def test_failed_write_reports_and_keeps_the_previous_checkpoint(tmp_path, monkey
         f.write(b"PK\x03\x04 partial bytes")
         raise error
 
-    monkeypatch.setattr(atomic_files.torch, "save", failing_save)
+    monkeypatch.setattr(atomic.torch, "save", failing_save)
     if isinstance(error, RuntimeError):
-        monkeypatch.setattr(atomic_files.os, "statvfs", lambda folder: _NoRoom, raising=False)
+        monkeypatch.setattr(atomic.os, "statvfs", lambda folder: _NoRoom, raising=False)
     with pytest.raises(CheckpointWriteError, match=message) as raised:
         plugin.save_checkpoint({"version": 2, "w": torch.zeros(1 << 18)}, target)
     if "space" in message:
@@ -148,7 +150,7 @@ def test_a_runtime_error_that_is_not_a_write_failure_is_not_reported_as_one(tmp_
     def broken_save(obj, f):
         raise RuntimeError("something else went wrong")
 
-    monkeypatch.setattr(atomic_files.torch, "save", broken_save)
+    monkeypatch.setattr(atomic.torch, "save", broken_save)
     with pytest.raises(RuntimeError, match="something else") as raised:
         AtomicCheckpointIO().save_checkpoint({"version": 2}, tmp_path / "last.ckpt")
     assert not isinstance(raised.value, CheckpointWriteError)

@@ -12,10 +12,10 @@ import lightning as L
 import pytest
 import torch
 
+from aah_lightning.atomic import PARTIAL_PREFIX
 from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import main
 from aah_lightning.data.packing import EndlessSampler
-from aah_lightning.lit.atomic_files import PARTIAL_PREFIX
 from aah_lightning.lit.datamodule import TextDataModule
 from helpers.cli import tiny_config
 from helpers.launch import aah_env, read_outputs, run_ranks, start_aah, start_ranks
