@@ -7,7 +7,8 @@ either the previous complete file or the new complete one. ``atomic_torch_save``
 ``atomic_write_text`` (predictions, reports, tables) use it; a folder written as a whole (``aah export``, a token
 folder) is written under a temporary name beside its destination and published with ``publish_folder``. Temporary
 files that killed writers left behind are removed by the next write (``remove_stale_partials``). A failed write (a
-full disk, a quota) is a ``CheckpointWriteError`` naming the folder and the space needed.
+full disk, a quota) is a ``CheckpointWriteError`` naming the folder and the space needed. The one exception is the
+checkpoint folder's lock (``lit/folder_lock.py``), whose create-if-absent and heartbeat are a protocol of their own.
 
 Lightning's default ``TorchCheckpointIO`` writes through an fsspec transaction whose temporary file lives in the
 system temp folder: when that is another file system than the checkpoint folder, the commit is a copy, which a kill

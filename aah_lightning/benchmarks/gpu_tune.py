@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from aah_lightning.atomic import atomic_write_text
 from aah_lightning.benchmarks import common as bench
 from aah_lightning.benchmarks.common import sync
 from aah_lightning.lit import distributed
@@ -658,5 +659,4 @@ def save(run: Run, args, device, command: str, out: str | None) -> None:
         seconds=time.perf_counter() - run.start,
     )
     if out:
-        with open(out, "w") as f:
-            json.dump(run.results, f, indent=1, default=str)
+        atomic_write_text(out, json.dumps(run.results, indent=1, default=str))

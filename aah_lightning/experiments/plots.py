@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 
+from aah_lightning.atomic import atomic_write
 from aah_lightning.experiments.stats import BASELINE, baseline_by_seed, mean_curve, mean_std, paired_diffs
 from aah_lightning.experiments.tables import frontier_rows
 
@@ -49,7 +50,7 @@ def plot_vs_acr(out: str, by_row: dict[str, list[dict]], base: dict[int, float])
     for a in (ax, dax):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "val_loss_vs_acr.png"), dpi=120)
+    save_png(fig, os.path.join(out, "val_loss_vs_acr.png"))
     plt.close(fig)
 
 
@@ -68,7 +69,7 @@ def plot_curves(out: str, by_row: dict[str, list[dict]], curves: dict[tuple[str,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "val_loss_curves.png"), dpi=120)
+    save_png(fig, os.path.join(out, "val_loss_curves.png"))
     plt.close(fig)
 
 
@@ -108,7 +109,7 @@ def plot_frontier(out: str, by_row: dict[str, list[dict]], base: dict[int, float
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "frontier.png"), dpi=120)
+    save_png(fig, os.path.join(out, "frontier.png"))
     plt.close(fig)
 
 
@@ -148,5 +149,10 @@ def plot_recall(out: str, by_row: dict[str, list[dict]]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "recall_by_distance.png"), dpi=120)
+    save_png(fig, os.path.join(out, "recall_by_distance.png"))
     plt.close(fig)
+
+
+def save_png(fig, path: str) -> None:
+    """The figure as a PNG through the atomic writer."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aah_lightning.atomic import atomic_write
 from aah_lightning.model import masks, window_math
 
 DPI = 100
@@ -110,7 +111,7 @@ def figure_rgb(fig) -> np.ndarray:
 
 
 def save_png(fig, path) -> None:
-    fig.savefig(path, dpi=DPI)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
 
 
 def head_mask(windows_row: Tensor, head: int, seq_len: int) -> Tensor:
