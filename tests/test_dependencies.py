@@ -10,6 +10,7 @@ bare and runs the quickstart and every command's --help in it (.ci/run).
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -76,10 +77,15 @@ def extra_only(path: Path) -> str | None:
     return next((extra for pkg, extra in extras.EXTRA_ONLY_PACKAGES.items() if module.startswith(pkg)), None)
 
 
+@functools.cache
+def installed() -> dict[str, list[str]]:
+    return packages_distributions()  # reads every installed distribution's metadata: once
+
+
 def distribution_of(top: str) -> str | None:
     if top in extras.EXTRAS:
         return canonicalize_name(extras.EXTRAS[top][0])
-    dists = packages_distributions().get(top)
+    dists = installed().get(top)
     return canonicalize_name(dists[0]) if dists else None
 
 
