@@ -3,7 +3,7 @@
 A seed of the recall task either forms the retrieval circuit (recall near 1) or it does not (near chance), so a mean
 and a t interval describe neither mode. Per row: how many seeds learned (final recall >= ``LEARNED`` over the
 distances the budget can reach, see ``reach``) with a Clopper-Pearson interval, and the recall past ``FAR`` tokens. Per comparison (a row against its budget's control,
-and every controller row against the oracle): Fisher's exact test of the two counts, and the sign test and the
+every controller row against the oracle and against fair chance, ``random_any``): Fisher's exact test of the two counts, and the sign test and the
 paired permutation test of the per-seed recall differences (seeds paired: the same seed is the same initialisation
 and, for every row, the same data). A row's control is warm-up-matched: one window for all from step 0, or after the
 same full-context warmup for the rows that have one (``WARMUP_MATCHED``). Every p-value of the table joins one Holm family; a comparison is called
@@ -27,6 +27,9 @@ UNIFORM = "fixed"  # one window for all heads from step 0: the control of every 
 # Rows that train at full context first are compared with one window for all after the same warmup.
 WARMUP_MATCHED = {"adaptive_layer": "fixed_warm", "adaptive_model": "fixed_warm", "gain_model": "fixed_warm"}
 ORACLE = "oracle"
+# Fair chance: the oracle's windows placed on heads drawn at random over the whole model (layer included); every
+# controller row is compared with it, since a mechanism that must find the layer has to beat a guess that does not.
+FAIR_CHANCE = "random_any"
 CONTROLLERS = re.compile(r"^(adaptive|reach|gain)")  # rows whose windows a controller decides
 
 
@@ -118,7 +121,21 @@ def comparisons(by_row: dict[str, list[dict]]) -> list[tuple[str, str]]:
                 pairs.append((r, control))
             if CONTROLLERS.match(family) and ORACLE in fam:
                 pairs.append((r, fam[ORACLE]))
+            if CONTROLLERS.match(family) and FAIR_CHANCE in fam:
+                pairs.append((r, fam[FAIR_CHANCE]))
     return pairs
+
+
+def placement_chance(table: list[list[int]]) -> float:
+    """The chance that the windows of ``table``, placed on heads drawn at random over the whole model (every
+    distinct placement of the multiset equally likely, as a uniform permutation gives), put the widest window in a
+    layer where ``table`` holds it. Exact, by counting: the widest windows land in ``n`` of the model's heads
+    uniformly, so this is 1 - P(none of them lands in one of the good layers' heads)."""
+    widest = max(max(row) for row in table)
+    heads = sum(len(row) for row in table)
+    n = sum(w == widest for row in table for w in row)
+    good = sum(len(row) for row in table if widest in row)
+    return 1.0 - math.comb(heads - good, n) / math.comb(heads, n)
 
 
 def compare(a: list[dict], b: list[dict], within: int | None = None) -> dict:
@@ -158,6 +175,7 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
         if recs and "recall_acc" in recs[0]:
             mine = {seed: h for (row, seed), h in heads.items() if row == r}
             lines.append("| " + " | ".join([r, *row_summary(recs, mine, within.get(r))]) + " |")
+    lines += chance_lines(rows, by_row, heads)
     pairs = comparisons({r: by_row.get(r) or [] for r in rows})
     results = [compare(by_row[a], by_row[b], within.get(a)) for a, b in pairs]
     flat = [p for res in results for p in res["p"]]
@@ -190,6 +208,29 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *final_tables(rows, heads)]
     return "\n".join(lines) + "\n"
+
+
+def chance_lines(rows: list[str], by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict]) -> list[str]:
+    """For each budget with a fair-chance row and an oracle: how often a random placement of the oracle's windows
+    puts the widest one in the oracle's layer (``placement_chance``), beside how often the row's draws did."""
+    out = []
+    for r in rows:
+        m = FRONTIER_ROW.match(r)
+        if not (m and m["family"] == FAIR_CHANCE and by_row.get(r)):
+            continue
+        oracle = f"{ORACLE}_acr{m['target']}"
+        tables = [h["final_table"] for (row, _), h in heads.items() if row == oracle]
+        if not tables:
+            continue
+        layers = {layer for layer, row in enumerate(tables[0]) if max(row) == max(max(x) for x in tables[0])}
+        drawn = [h["final_table"] for (row, _), h in heads.items() if row == r]
+        hits = sum(any(max(t[layer]) == max(max(x) for x in t) for layer in layers) for t in drawn)
+        out.append(
+            f"Chance of {r}: a random placement of {oracle}'s windows puts the widest in the oracle's layer "
+            f"({', '.join(f'L{layer}' for layer in sorted(layers))}) with probability "
+            f"{placement_chance(tables[0]):.3f} (counted exactly); its {len(drawn)} seeds' draws did in {hits}."
+        )
+    return ["", *out] if out else []
 
 
 def final_tables(rows: list[str], heads: dict[tuple[str, int], dict]) -> list[str]:

@@ -116,3 +116,39 @@ def test_learned_is_judged_within_the_reach_the_budget_can_buy():
     lines = [line for line in md.splitlines() if line.startswith("| reach_gain_acr0.125 | fixed_acr0.125 |")]
     assert lines and lines[0].endswith("better |")
     assert protocol.reach(by_row, {}) == {r: None for r in by_row}
+
+
+def test_placement_chance_counts_every_placement():
+    """The chance that a random placement puts the widest window in the oracle's layer, against brute force over
+    every permutation of the heads (each distinct placement is equally likely under a uniform permutation)."""
+    import itertools
+
+    for table in ([[32, 32, 32, 32], [256, 64, 32, 32]], [[16, 128], [128, 16], [16, 16]], [[8, 8, 8], [8, 64, 8]]):
+        flat = [w for row in table for w in row]
+        width = len(table[0])
+        widest = max(flat)
+        good = {i for i, row in enumerate(table) if widest in row}
+        perms = list(itertools.permutations(flat))
+        hits = sum(any(widest in p[layer * width : (layer + 1) * width] for layer in good) for p in perms)
+        assert protocol.placement_chance(table) == pytest.approx(hits / len(perms), abs=1e-12)
+    assert protocol.placement_chance([[32, 32, 32, 32], [256, 64, 32, 32]]) == pytest.approx(0.5)
+
+
+def test_controller_rows_are_compared_with_fair_chance_and_the_chance_is_printed():
+    """random_any (the oracle's windows anywhere) is every controller row's fair-chance control; the protocol prints
+    the exact chance of a right placement beside how often the row's own draws got it."""
+    oracle = [[32, 32, 32, 32], [256, 64, 32, 32]]
+    any_tables = [[[32, 256, 32, 32], [64, 32, 32, 32]], [[32, 32, 64, 32], [32, 32, 256, 32]]]
+    by_row = {
+        "fixed_acr0.25": records("fixed_acr0.25", [0.1] * 10),
+        "oracle_acr0.25": records("oracle_acr0.25", [1.0] * 10),
+        "random_any_acr0.25": records("random_any_acr0.25", [0.1] * 5 + [1.0] * 5),
+        "reach_gain_kept_acr0.25": records("reach_gain_kept_acr0.25", [1.0] * 10),
+    }
+    heads = {("oracle_acr0.25", s): {"final_table": oracle} for s in range(10)}
+    heads |= {("random_any_acr0.25", s): {"final_table": any_tables[s // 5]} for s in range(10)}
+    md = protocol.protocol_md(by_row, list(by_row), heads)
+    assert ("reach_gain_kept_acr0.25", "random_any_acr0.25") in protocol.comparisons(by_row)
+    assert ("random_any_acr0.25", "oracle_acr0.25") not in protocol.comparisons(by_row)  # a control, not a mechanism
+    assert "| reach_gain_kept_acr0.25 | random_any_acr0.25 | 10/10 vs 5/10 |" in md
+    assert "(L1) with probability 0.500 (counted exactly); its 10 seeds' draws did in 5." in md
