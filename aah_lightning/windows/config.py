@@ -23,22 +23,28 @@ class NeedConfig:
         signal: what a head's need for each candidate window is measured by: ``mass`` (the paper's statistics: the
             share of its full-causal attention mass inside the window), ``gain`` (counterfactual: the loss decrease of
             giving the head that window, measured by running the probe sequences with that one head's window
-            changed; budget only, ``allocation.allocator: reach``), or ``module:name`` of a signal registered in an
-            importable module (``register_signal``).
-        probe_sequences: sequences of the current batch the probe runs (cost does not grow with the batch size).
+            changed; budget only, ``allocation.allocator: reach``), ``retrieval`` (the share of a head's copy-paste
+            hits, on spans of the batch copied back at distances across the context, that each window keeps; one
+            forward per decision, so it scales to pretrained models; budget only), or ``module:name`` of a signal
+            registered in an importable module (``register_signal``).
+        probe_sequences: sequences of the current batch the probe runs (cost does not grow with the batch size); for
+            ``retrieval``, the number of copy probes (rows of the batch are reused when it has fewer).
         probe_queries: query positions sampled per sequence (stratified over the sequence).
         ema_alpha: smoothing across control steps, ``m <- a*m + (1-a)*x``; 0 disables it.
+        copy_span: tokens of each copy probe of the ``retrieval`` signal (the sequence must hold two of them).
     """
 
     signal: str = "mass"
     probe_sequences: int = 2
     probe_queries: int = 64
     ema_alpha: float = 0.5
+    copy_span: int = 32
 
     def validate(self, key: str) -> None:
         require(self.probe_sequences >= 1, key + "probe_sequences", self.probe_sequences, "1 or more")
         require(self.probe_queries >= 1, key + "probe_queries", self.probe_queries, "1 or more")
         require(0 <= self.ema_alpha < 1, key + "ema_alpha", self.ema_alpha, "in [0, 1) (0 disables the EMA)")
+        require(self.copy_span >= 2, key + "copy_span", self.copy_span, "2 or more")
 
 
 @dataclass
@@ -429,6 +435,13 @@ class ControllerConfig:
     def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
         key = "model.aah.controller."
         self.need.validate(key + "need.")
+        if self.need.signal == "retrieval":  # a probe holds the span and its copy
+            require(
+                2 * self.need.copy_span + 1 <= seq_len,
+                key + "need.copy_span",
+                self.need.copy_span,
+                f"at most (seq_len - 1) / 2 = {(seq_len - 1) // 2} (a probe holds the span and its copy)",
+            )
         self.groups.validate(key + "groups.", n_head)
         self.allocation.validate(key + "allocation.")
         self.budget.validate(key + "budget.", candidates, seq_len)

@@ -1,7 +1,8 @@
 """The AAH controller: the ``adaptive`` window policy and its parts, one concern a module.
 
-signals.py           the need signals by name (``mass``, ``gain``) and their contract
+signals.py           the need signals by name (``mass``, ``gain``, ``retrieval``) and their contract
 gain.py              the gain signal's measurement: one no-grad forward per head and candidate
+retrieval.py         the retrieval signal's measurement: copy probes, copy-paste hits, one forward
 features.py          per-head features from a probe (paper statistics, attention-mass profile), standardisation
 grouping.py          average-linkage clustering of one layer's heads, hysteresis, random / no grouping (``Grouper``)
 hierarchy.py         coarser levels of head groups from the same dendrogram

@@ -27,6 +27,7 @@ from torch import Tensor
 from aah_lightning.plugins import find_plugin
 from aah_lightning.windows.controller import features
 from aah_lightning.windows.controller.gain import run_gain_probe
+from aah_lightning.windows.controller.retrieval import run_retrieval_probe
 
 
 def smooth(ema: Tensor | None, x: Tensor, alpha: float) -> Tensor:
@@ -125,6 +126,21 @@ class GainSignal(MassSignal):
         self.gain_se2_ema = None if se2 is None else se2.to(torch.float64).clone()
 
 
+class RetrievalSignal(GainSignal):
+    """``retrieval``: the share of a head's copy-paste hits on copy probes built from the batch that each window keeps
+    (``retrieval.py``): long windows go to the heads that copy from far back. One forward per decision; smoothed,
+    with its variance, as the gain is."""
+
+    def measure(self, probe, model, tokens, targets, doc_ids, loss_mask) -> Tensor:
+        c = self.settings  # NeedConfig
+        x = probe.measure(model, tokens, doc_ids)
+        need, se2, _ = run_retrieval_probe(
+            model, tokens, self.candidates, c.probe_sequences, c.copy_span, generator=probe.probe_generator
+        )
+        k, f = len(self.candidates), x.shape[-1]
+        return probe.rank_mean(torch.cat([x, need.to(x), se2.to(x)], dim=-1), slice(f + k, f + 2 * k))
+
+
 def profile_noise(x: Tensor, layout: features.FeatureLayout) -> Tensor:
     """Standard error ``[L, H, K]`` of this probe's mass profile (0 where ``x`` carries none, e.g. in tests)."""
     if x.shape[-1] < layout.packed_size:
@@ -134,7 +150,7 @@ def profile_noise(x: Tensor, layout: features.FeatureLayout) -> Tensor:
 
 # The signals by name. A new one is a module with a class of the contract above and one registry line,
 # ``@register_signal("name")`` (docs/controller.md, "Adding a mechanism").
-SIGNALS: dict[str, type] = {"mass": MassSignal, "gain": GainSignal}
+SIGNALS: dict[str, type] = {"mass": MassSignal, "gain": GainSignal, "retrieval": RetrievalSignal}
 
 
 def register_signal(name: str):
