@@ -52,8 +52,10 @@ class GroupsConfig:
     """How each layer's heads are grouped (``model.aah.controller.groups``; docs/controller.md, "One control step").
 
     Attributes:
-        method: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group) or
-            ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer).
+        method: ``cluster`` (average-linkage agglomerative clustering), ``none`` (every head its own group),
+            ``fixed_random`` (a seeded random partition into ``random_groups`` groups, drawn once per layer) or
+            ``kv_heads`` (the query heads of each key/value head form one group, so that every window the budget
+            buys is one a key/value head's cache can keep; ``kv_heads`` groups of consecutive heads).
         feature_set: what the heads are grouped by: ``paper`` (nine q/k/v/attention statistics), ``reach``
             (attention-mass profile over the candidates plus mean log-distance) or ``all`` (both, equal weight).
         feature_floor: a feature's spread across a layer's heads counts as noise below this fraction of its mean
@@ -65,11 +67,12 @@ class GroupsConfig:
         max_groups: at most this many level-0 groups (None = no limit).
         hysteresis: keep the previous level-0 partition unless the new one scores better by this margin.
         random_groups: number of groups of ``fixed_random``.
+        kv_heads: number of groups of ``kv_heads``: the model's ``n_kv_head`` (the run refuses another value).
         depth: at most this many hierarchy levels (1 = flat groups).
         reuse_groups: keep the level-0 partition of the first decision; keep re-allocating windows.
     """
 
-    method: Literal["cluster", "none", "fixed_random"] = "cluster"
+    method: Literal["cluster", "none", "fixed_random", "kv_heads"] = "cluster"
     feature_set: Literal["paper", "reach", "all"] = "all"
     feature_floor: float = 0.05
     metric: Literal["euclidean", "cosine"] = "euclidean"
@@ -79,16 +82,24 @@ class GroupsConfig:
     max_groups: Optional[int] = None
     hysteresis: float = 0.05
     random_groups: int = 2
+    kv_heads: Optional[int] = None
     depth: int = 2
     reuse_groups: bool = False
 
     def validate(self, key: str, n_head: int) -> None:
         require(
-            self.method in ("cluster", "none", "fixed_random"),
+            self.method in ("cluster", "none", "fixed_random", "kv_heads"),
             key + "method",
             self.method,
-            "cluster, none or fixed_random",
+            "cluster, none, fixed_random or kv_heads",
         )
+        if self.method == "kv_heads":
+            require(
+                isinstance(self.kv_heads, int) and self.kv_heads >= 1 and n_head % self.kv_heads == 0,
+                key + "kv_heads",
+                self.kv_heads,
+                f"with method kv_heads, the model's n_kv_head: an integer that divides n_head={n_head}",
+            )
         require(
             self.feature_set in ("paper", "reach", "all"), key + "feature_set", self.feature_set, "paper, reach or all"
         )

@@ -122,3 +122,31 @@ def test_its_settings_are_checked():
     unbudgeted.need.copy_span = SPAN
     with pytest.raises(ConfigError, match="only with a budget"):
         AAHConfig(policy="adaptive", candidates=[8, 64], controller=unbudgeted).validate(T, 1, 4)
+
+
+def test_kv_head_groups_give_each_key_value_head_one_window():
+    """``groups.method: kv_heads``: every decision gives the query heads of one key/value head one window, so the
+    budget buys only windows that a key/value head's cache can keep; another count than the model's is refused."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=T, n_layer=2, n_head=6, n_kv_head=3, n_embd=48))
+    settings = controller_settings(
+        target_acr=0.4, budget_scope="model", warmup_steps=0, control_interval=1, signal="retrieval", depth=1
+    )
+    settings.need.copy_span = SPAN
+    settings.groups.method, settings.groups.kv_heads = "kv_heads", 3
+    cfg = AAHConfig(policy="adaptive", candidates=[8, 16, 32, 64], controller=settings)
+    policy = make_policy(cfg, 2, 6, T)
+    policy.set_run_length(10)
+    model.set_windows(policy.initial_table())
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        table = policy.on_train_step(step, model, {"tokens": torch.randint(0, 32, (2, T + 1), generator=g)})
+        if table is not None:  # None: the table in force stays
+            model.set_windows(table)
+        for row in model.windows.tolist():
+            assert row[0] == row[1] and row[2] == row[3] and row[4] == row[5], model.windows
+    assert len(set(model.windows.flatten().tolist())) > 1  # not one window for all: the groups differ
+    assert policy.partitions[0] == [[0, 1], [2, 3], [4, 5]]
+    settings.groups.kv_heads = 4
+    with pytest.raises(ConfigError, match="model.aah.controller.groups.kv_heads=4 .*divides n_head=6"):
+        AAHConfig(policy="adaptive", candidates=[8, 64], controller=settings).validate(T, 2, 6)

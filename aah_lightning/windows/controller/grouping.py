@@ -125,6 +125,13 @@ def singletons(n_heads: int) -> Partition:
     return [[h] for h in range(n_heads)]
 
 
+def kv_head_groups(n_heads: int, n_kv_heads: int) -> Partition:
+    """The query heads of each key/value head: ``n_kv_heads`` groups of consecutive heads (grouped-query attention's
+    order, query head ``h`` reading key/value head ``h // (n_heads / n_kv_heads)``)."""
+    size = n_heads // n_kv_heads
+    return [list(range(g * size, (g + 1) * size)) for g in range(n_kv_heads)]
+
+
 def apart(partition: Partition, heads: list[int]) -> Partition:
     """``partition`` with each of ``heads`` in a group of its own (groups in order of first head)."""
     out = [[h] for h in heads]
@@ -149,6 +156,8 @@ class Grouper:
         c = self.settings
         if c.method == "none":
             partition = singletons(self.n_head)
+        elif c.method == "kv_heads":
+            partition = kv_head_groups(self.n_head, c.kv_heads)
         elif c.method == "fixed_random":
             if self.random_partitions[layer] is None:
                 self.random_partitions[layer] = random_partition(self.n_head, c.random_groups, self.generator)
