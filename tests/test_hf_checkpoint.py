@@ -192,10 +192,20 @@ def test_a_gguf_file_is_refused_in_one_line_before_anything_is_written(tmp_path,
     writer.write_tensors_to_file()
     writer.close()
     write_tiny_gguf(tmp_path / "no_tokenizer.gguf", tokenizer=False)
+
+    def linear_scaling(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+
+    write_tiny_gguf(tmp_path / "linear.gguf", extra=linear_scaling)
+    rope_freqs = np.ones(4, np.float32)  # Llama 3.1's scaling, one factor per frequency of a head
+    write_tiny_gguf(tmp_path / "llama31.gguf", extra=lambda writer: writer.add_tensor("rope_freqs.weight", rope_freqs))
     cases = {
         tmp_path / "truncated.gguf": "truncated.gguf: transformers' GGUF loader cannot read it (",
         tmp_path / "phi3.gguf": "general.architecture='phi3' is not supported: aah imports GGUF files of llama, ",
         tmp_path / "no_tokenizer.gguf": "no tokenizer transformers can build from its metadata (",
+        tmp_path / "linear.gguf": "llama.rope.scaling.type='linear' is not supported: transformers' GGUF loader does",
+        tmp_path / "llama31.gguf": "a rope_freqs tensor (llama3 scaling) is not supported",
     }
     out = tmp_path / "out" / "x.ckpt"
     for path, says in cases.items():

@@ -289,7 +289,23 @@ def read_gguf_config(path) -> dict:
             f"{path}: general.architecture={kind!r} is not supported: aah imports GGUF files of "
             f"{', '.join(GGUF_FAMILIES)} ({', '.join(GGUF_FAMILIES.values())})"
         )
+    _refuse_rope_scaling(path)
     return {**hf, "architectures": [GGUF_FAMILIES[kind]]}
+
+
+def _refuse_rope_scaling(path) -> None:
+    """transformers' GGUF config of these families reads no RoPE scaling (``<arch>.rope.scaling.*``, or Llama 3.1's
+    ``rope_freqs`` tensor), so a model that has it would be imported, like transformers loads it, without it."""
+    reader = need("gguf", f"reading the GGUF file {path}", extra=GGUF_EXTRA).GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    field = reader.fields.get(f"{arch}.rope.scaling.type")
+    scaling = bytes(field.parts[-1]).decode() if field is not None else "none"
+    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        what = f"{arch}.rope.scaling.type={scaling!r}" if scaling != "none" else "a rope_freqs tensor (llama3 scaling)"
+        raise ConfigError(
+            f"{path}: {what} is not supported: transformers' GGUF loader does not read RoPE scaling, so the model "
+            f"would lose it; import the model's Hugging Face folder instead"
+        )
 
 
 def read_gguf_weights(path, hf: Mapping) -> dict[str, Tensor]:

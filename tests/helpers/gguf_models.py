@@ -42,10 +42,10 @@ def _llama_cpp_order(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, seed: int = 0, tokenizer: bool = True):
+def write_tiny_gguf(path, seed: int = 0, tokenizer: bool = True, extra=None):
     """A tiny Llama (2 layers, 4 query heads, 2 key/value heads, d = 32, untied, vocabulary ``VOCAB``, context ``T``)
     with random weights, written to ``path`` as a float32 GGUF file with its tokenizer (unless ``tokenizer`` is
-    False). Returns the transformers model whose weights the file holds."""
+    False); ``extra(writer)`` adds to it. Returns the transformers model whose weights the file holds."""
     import gguf
 
     model = tiny("llama3", seed, vocab_size=VOCAB, rope_theta=10000.0, rope_scaling=None)
@@ -99,6 +99,8 @@ def write_tiny_gguf(path, seed: int = 0, tokenizer: bool = True):
         )
     w.add_tensor("output_norm.weight", state["model.norm.weight"])
     w.add_tensor("output.weight", state["lm_head.weight"])
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()  # the writer's documented order: header, metadata, tensors
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
