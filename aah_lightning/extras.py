@@ -18,6 +18,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tokenizers": ("tokenizers", "hf"),  # data.tokenizer: a tokenizer.json or hub name; aah export's tokenizer
     "transformers": ("transformers", "hf"),  # aah export
     "safetensors": ("safetensors", "hf"),  # aah import, aah export
+    "gguf": ("gguf", "gguf"),  # aah import of a GGUF file (transformers' GGUF reader)
+    "accelerate": ("accelerate", "gguf"),  # transformers (5.x) loads a GGUF model only with it
     "flash_attn": ("flash-attn-4", "fa4"),  # model.gpt.backend=flex_fa4 (CUDA)
     "wandb": ("wandb", "wandb"),  # trainer.logger: WandbLogger
 }
@@ -34,10 +36,12 @@ def install_hint(extra: str) -> str:
     return f"pip install 'aah-lightning[{extra}]'"
 
 
-def need(module: str, purpose: str) -> ModuleType:
+def need(module: str, purpose: str, extra: str | None = None) -> ModuleType:
     """Import ``module`` (a name or dotted name of a package in ``EXTRAS``) for ``purpose`` ("aah export", ...), or
-    raise ConfigError naming the extra that installs it."""
-    distribution, extra = EXTRAS[module.split(".")[0]]
+    raise ConfigError naming the extra that installs it: its own, or ``extra``, a feature's extra that brings it too
+    (the 'gguf' extra brings the 'hf' extra's transformers), so that one install gives the whole feature."""
+    distribution, own = EXTRAS[module.split(".")[0]]
+    extra = extra or own
     try:
         return importlib.import_module(module)
     except ImportError as e:

@@ -6,13 +6,17 @@ A source is one of ``KINDS``, each a subclass that knows how to recognise its fi
   weights-only with its tensors memory-mapped;
 * ``ShardedCheckpoint``: the checkpoint folder of an FSDP2 run (torch.distributed.checkpoint): its plain entries
   from ``meta.pt``, its weights read from the shards straight into a model's tensors;
-* ``HFFolder``: a Hugging Face model folder (``config.json`` and safetensors weights, read by ``model/hf_import.py``).
+* ``HFFolder``: a Hugging Face model folder (``config.json`` and safetensors weights, read by ``model/hf_import.py``);
+* ``GGUFFile``: a GGUF file (llama.cpp's format) of the same families, read through transformers' GGUF loader
+  (``model/hf_import.py`` too). ``aah import`` reads it; a run does not (``IMPORT_FIRST``): ``ModelSource.open``
+  refuses it in one line that says to import it first, since a run needs its tokenizer as a file and should not
+  dequantise the weights again in every run and process.
 
 Each answers the same questions: ``config`` (the GPT settings it was trained with), ``padded(cfg)`` (a run's settings
 with the source's larger vocabulary), ``tokenizer`` (what ``data.tokenizer`` takes, or None for a model of token ids),
 ``weights(cfg)`` (its weights in a GPT's names) and ``load_into(gpt)``. Opening reads what every answer needs (the
-checkpoint dict, the config) once; the weights of a folder are read when asked for. Another kind of file (a GGUF
-file, say) is one more subclass with ``recognises`` and the readers, appended to ``KINDS``.
+checkpoint dict, the config) once; the weights of a folder or GGUF file are read when asked for. Another kind of file
+is one more subclass with ``recognises`` and the readers, in ``KINDS``.
 
 Every problem is one ``ConfigError`` line that names ``setting`` (``model.init_from`` unless the caller says).
 
@@ -29,6 +33,7 @@ import torch
 
 from aah_lightning import checkpoint as ck
 from aah_lightning.errors import ConfigError
+from aah_lightning.extras import install_hint
 from aah_lightning.inputs import first_line
 from aah_lightning.model import hf_import
 from aah_lightning.model.config import GPTConfig
@@ -42,6 +47,9 @@ TOKENIZER_FILE = "tokenizer.json"
 
 class ModelSource:
     """A trained model's files at ``path``, opened by ``ModelSource.open``."""
+
+    # A kind that only ``aah import`` reads: ``open`` refuses it with ``import_first``'s line.
+    IMPORT_FIRST = False
 
     def __init__(self, path, setting: str = SETTING):
         self.path, self.setting = path, setting
@@ -62,11 +70,18 @@ class ModelSource:
             )
         for kind in KINDS:
             if kind.recognises(path):
+                if kind.IMPORT_FIRST:
+                    raise ConfigError(kind.import_first(path, setting))
                 return kind(path, setting)
         raise ConfigError(
             f"{where(path, setting)} is a folder without {hf_import.CONFIG_FILE}: pass an aah checkpoint or a Hugging "
             f"Face model folder"
         )
+
+    @classmethod
+    def import_first(cls, path, setting: str = SETTING) -> str:
+        """The line that refuses a source of an ``IMPORT_FIRST`` kind."""
+        raise NotImplementedError
 
     @property
     def where(self) -> str:
@@ -217,6 +232,51 @@ class HFFolder(ModelSource):
         return hf_import.import_folder(self.path, seq_len, hf=self.hf_config)
 
 
-# The kinds of source, tried in order by ``ModelSource.open``: folders by their marker file (config.json first), a
-# file last.
-KINDS: list[type[ModelSource]] = [HFFolder, ShardedCheckpoint, CheckpointFile]
+class GGUFFile(ModelSource):
+    """A GGUF file of a Llama-family model (the 'gguf' extra): its config rebuilt from the metadata on opening, its
+    weights dequantised to float32 and its tokenizer built from the metadata when asked for, all by transformers'
+    GGUF loader. Read by ``aah import`` (``export/importer.py``), which writes the checkpoint and tokenizer.json that
+    a run takes."""
+
+    IMPORT_FIRST = True
+
+    def __init__(self, path, setting: str = SETTING):
+        super().__init__(path, setting)
+        self.hf_config = hf_import.read_gguf_config(path)
+
+    @staticmethod
+    def recognises(path) -> bool:
+        return os.path.isfile(path) and hf_import.is_gguf(path)
+
+    @classmethod
+    def import_first(cls, path, setting: str = SETTING) -> str:
+        out = os.path.splitext(os.path.basename(os.fspath(path)))[0] + ".ckpt"
+        return (
+            f"{where(path, setting)} is a GGUF file: a run starts from its aah import, so import it once "
+            f"(aah import {os.fspath(path)} --out {out}; {install_hint(hf_import.GGUF_EXTRA)}) and pass {out}"
+        )
+
+    @cached_property
+    def config(self) -> GPTConfig:
+        return hf_import.gpt_config(self.hf_config, where=os.fspath(self.path))
+
+    @property
+    def tokenizer(self) -> str | None:
+        return None  # inside the file, not a file data.tokenizer takes: tokenizer_json() gives it
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer of the file's metadata as ``tokenizer.json`` text."""
+        return hf_import.read_gguf_tokenizer(self.path)
+
+    def weights(self, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+        weights = hf_import.read_gguf_weights(self.path, self.hf_config)
+        return hf_import.gpt_state_dict(weights, cfg, os.fspath(self.path))
+
+    def model(self, seq_len: int | None = None) -> GPT:
+        """The whole model, as ``HFFolder.model`` gives a folder's."""
+        return hf_import.import_gguf(self.path, seq_len, hf=self.hf_config)
+
+
+# The kinds of source, tried in order by ``ModelSource.open``: folders by their marker file (config.json first), then
+# files: a GGUF file by its first bytes, any other file as an aah checkpoint.
+KINDS: list[type[ModelSource]] = [HFFolder, ShardedCheckpoint, GGUFFile, CheckpointFile]

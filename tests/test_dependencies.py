@@ -167,3 +167,25 @@ def test_aah_import_without_safetensors_says_so(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "needs the 'hf' extra (safetensors is missing)" in err and "\n" not in err
     assert not (tmp_path / "x.ckpt").exists()
+
+
+@pytest.mark.parametrize("missing", ["gguf", "accelerate"])
+def test_aah_import_of_a_gguf_file_without_the_gguf_extra_says_so(monkeypatch, tmp_path, capsys, missing):
+    from aah_lightning.export.importer import main
+    from helpers.gguf_models import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    block(monkeypatch, missing)
+    assert main([str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "out" / "x.ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.endswith(f"needs the 'gguf' extra ({missing} is missing): pip install 'aah-lightning[gguf]'"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_gguf_extra_installs_everything_a_gguf_file_is_read_with():
+    from aah_lightning.model import hf_import
+
+    for module in hf_import.GGUF_PACKAGES:  # transformers and tokenizers through the 'hf' extra it names
+        assert distribution_of(module) in EXTRA[hf_import.GGUF_EXTRA], module
+    assert EXTRA[hf_import.GGUF_EXTRA] <= EXTRA["dev"]  # CI's install tests the import of a GGUF file

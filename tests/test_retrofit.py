@@ -230,6 +230,32 @@ def test_the_overlay_of_an_imported_checkpoint_is_the_folders_model_and_tokenize
     }
 
 
+def test_a_gguf_file_is_refused_as_a_source_with_the_import_that_makes_one(tmp_path, tiny_args, capsys):
+    """A run takes a GGUF file's aah import, not the file (docs/retrofit.md, "A real model from PyPI"): the line says
+    so, and the import it names gives the overlay of a run."""
+    from helpers.gguf_models import write_tiny_gguf
+
+    gguf_file = tmp_path / "tiny.gguf"
+    original = write_tiny_gguf(gguf_file)
+    says = (
+        f"model.init_from='{gguf_file}' is a GGUF file: a run starts from its aah import, so import it once "
+        f"(aah import {gguf_file} --out tiny.ckpt; pip install 'aah-lightning[gguf]') and pass tiny.ckpt"
+    )
+    with pytest.raises(ConfigError) as refused:
+        retrofit.source_config(gguf_file)
+    assert str(refused.value) == says
+    code, line = cli_error(tiny_args(f"--model.init_from={gguf_file}"), capsys)
+    assert code == 2 and line == f"aah: error: {says}"
+    assert retrofit.main([str(gguf_file)]) == 2
+    assert capsys.readouterr().err == f"aah: error: {says}\n"
+
+    imported = importer.write_checkpoint(gguf_file, tmp_path / "tiny.ckpt")
+    config = retrofit.overlay(imported)
+    assert config["data"]["tokenizer"] == str(tmp_path / "tiny.tokenizer.json")
+    assert config["model"]["gpt"]["n_kv_head"] == original.config.num_key_value_heads
+    assert config["model"]["gpt"]["mlp"] == "swiglu" and config["model"]["gpt"]["tie_embeddings"] is False
+
+
 def test_a_hugging_face_folder_is_refused_without_its_settings(tmp_path, tiny_args, capsys):
     save_tiny("llama3", tmp_path / "hf")
     capsys.readouterr()

@@ -1,15 +1,18 @@
-"""``aah import``: a Hugging Face Llama-family folder -> an aah checkpoint, the mirror of ``aah export``
+"""``aah import``: a Hugging Face Llama-family folder or GGUF file -> an aah checkpoint, the mirror of ``aah export``
 (``exporter.py``, beside it).
 
-    aah import <folder> --out <file.ckpt>      (= python -m aah_lightning.hf_checkpoint <folder> --out <file.ckpt>)
+    aah import <folder or file.gguf> --out <file.ckpt>      (= python -m aah_lightning.hf_checkpoint ...)
 
 The model is read by ``model/hf_import.py`` (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM; its own windows in the table) and written as a checkpoint that everything reading aah checkpoints
-takes (``checkpoint.load_model``: generation, inspection, the export): the GPT's settings and weights, step 0, and
-the folder's ``tokenizer.json`` as the data settings' tokenizer (by absolute path). It holds no optimizer or loop
-state: it starts runs (``model.init_from``, docs/retrofit.md), it does not resume one. The file is written as
-``aah fit`` writes its checkpoints (``atomic.atomic_torch_save``): an interrupted import leaves no
-half-written file.
+Qwen3ForCausalLM; its own windows in the table), opened once as a ``model_source`` kind: ``HFFolder`` for a folder,
+``GGUFFile`` for a GGUF file (transformers' GGUF loader dequantises its weights to float32; the 'gguf' extra). It is
+written as a checkpoint that everything reading aah checkpoints takes (``checkpoint.load_model``: generation,
+inspection, the export): the GPT's settings and weights, step 0, and the tokenizer as the data settings' tokenizer
+(by absolute path): the folder's ``tokenizer.json``, or the GGUF file's, built from its metadata and written beside
+the checkpoint as ``<name>.tokenizer.json``. It holds no optimizer or loop state: it starts runs
+(``model.init_from``, docs/retrofit.md), it does not resume one. Every refusal comes before the first byte is
+written, and the files are written as ``aah fit`` writes its checkpoints (``atomic.atomic_torch_save``): an
+interrupted import leaves no half-written file.
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from aah_lightning import checkpoint as ck
-from aah_lightning.atomic import atomic_torch_save
+from aah_lightning.atomic import atomic_torch_save, atomic_write_text
+from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import CheckpointWriteError, ConfigError
 from aah_lightning.model import hf_import
 from aah_lightning.model.gpt import GPT
-from aah_lightning.model_source import TOKENIZER_FILE, HFFolder
+from aah_lightning.model_source import TOKENIZER_FILE, GGUFFile, HFFolder
+
+# A GGUF file's tokenizer, written beside the checkpoint: <out without .ckpt> + this.
+TOKENIZER_SUFFIX = ".tokenizer.json"
+WHAT = "pass a Hugging Face model folder (config.json, safetensors) or a GGUF file"
 
 
 def checkpoint_of(model: GPT, tokenizer: str) -> dict:
@@ -39,34 +48,74 @@ def checkpoint_of(model: GPT, tokenizer: str) -> dict:
     }
 
 
-def write_checkpoint(folder, out, seq_len: int | None = None, tokenizer: str | None = None) -> Path:
-    """Import ``folder`` and write it to ``out`` as an aah checkpoint; ``tokenizer`` defaults to the folder's
-    tokenizer.json. Returns the path written."""
-    given = folder
-    folder = Path(folder).resolve()
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise ConfigError(f"{os.fspath(given)!r} {what}: pass a Hugging Face model folder (config.json, safetensors)")
-    source = HFFolder(folder)  # config.json read once; every problem with it is one line
-    # The settings first (a family or setting aah cannot run), then the tokenizer, then the weights.
-    hf_import.gpt_config(source.hf_config, seq_len, where=f"{folder}/{hf_import.CONFIG_FILE}")
-    if tokenizer is None:
-        if source.tokenizer is None:
-            raise ConfigError(f"{folder}: no {TOKENIZER_FILE}: pass --tokenizer (a tokenizer.json or hub name)")
-        tokenizer = source.tokenizer
-    checkpoint = checkpoint_of(source.model(seq_len), tokenizer)
-    # Every refusal before the first byte is written: a tokenizer with more ids than the model's vocabulary too.
-    ck.checkpoint_tokenizer(checkpoint, tokenizer, setting="--tokenizer")
+def tokenizer_path(out) -> Path:
+    """Where the import of a GGUF file writes its tokenizer: beside the checkpoint ``out``."""
+    out = Path(out)
+    return out.with_name(out.stem + TOKENIZER_SUFFIX)
+
+
+def open_source(path) -> HFFolder | GGUFFile:
+    """The folder or GGUF file ``path`` as the ``model_source`` kind that reads it (its config read once: every
+    problem with it is one line)."""
+    resolved = Path(path).resolve()
+    if resolved.is_dir():
+        return HFFolder(resolved)
+    if not resolved.exists():
+        raise ConfigError(f"{os.fspath(path)!r} does not exist: {WHAT}")
+    if not GGUFFile.recognises(resolved):
+        raise ConfigError(f"{os.fspath(path)!r} is not a folder or a GGUF file: {WHAT}")
+    return GGUFFile(resolved)
+
+
+def _checked_gguf_tokenizer(source: GGUFFile, vocab_size: int) -> str:
+    """The GGUF file's tokenizer.json text, refused in one line if it has more ids than the model."""
+    text = source.tokenizer_json()
+    with tempfile.TemporaryDirectory() as tmp:  # load_tokenizer reads a file; nothing is written beside --out yet
+        (Path(tmp) / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+        ids = load_tokenizer(tmp, "--tokenizer").vocab_size
+    if ids > vocab_size:
+        raise ConfigError(
+            f"{source.path}: the tokenizer of its metadata has {ids} ids, its model {vocab_size}: pass --tokenizer "
+            f"(the tokenizer the model was trained with)"
+        )
+    return text
+
+
+def write_checkpoint(source, out, seq_len: int | None = None, tokenizer: str | None = None) -> Path:
+    """Import ``source`` (a Hugging Face folder or a GGUF file) and write it to ``out`` as an aah checkpoint;
+    ``tokenizer`` defaults to the folder's tokenizer.json, or the GGUF file's, written beside ``out``
+    (``tokenizer_path``). Returns the path written."""
+    source = open_source(source)
+    where = f"{source.path}/{hf_import.CONFIG_FILE}" if isinstance(source, HFFolder) else str(source.path)
+    # The settings first (a family or setting aah cannot run), then the output, the tokenizer, the weights.
+    hf_import.gpt_config(source.hf_config, seq_len, where=where)
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out={os.fspath(out)!r} is a folder: name the checkpoint file to write (.ckpt)")
+    tokenizer_text = None
+    if tokenizer is None and isinstance(source, GGUFFile):
+        tokenizer_text = _checked_gguf_tokenizer(source, source.config.vocab_size)
+        tokenizer = str(tokenizer_path(out).resolve())
+    elif tokenizer is None:
+        if source.tokenizer is None:
+            raise ConfigError(f"{source.path}: no {TOKENIZER_FILE}: pass --tokenizer (a tokenizer.json or hub name)")
+        tokenizer = source.tokenizer
+    checkpoint = checkpoint_of(source.model(seq_len), tokenizer)
+    if tokenizer_text is None:
+        # Every refusal before the first byte is written: a tokenizer with more ids than the model's vocabulary too.
+        ck.checkpoint_tokenizer(checkpoint, tokenizer, setting="--tokenizer")
+    written = []
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        if tokenizer_text is not None:  # first, so that the checkpoint never names a file that is not there
+            written.append(Path(tokenizer))
+            atomic_write_text(tokenizer, tokenizer_text)
         atomic_torch_save(checkpoint, out)
-    except OSError as e:
-        raise ConfigError(f"--out={os.fspath(out)!r} could not be written ({e.strerror or e})") from e
-    except CheckpointWriteError as e:  # a full disk or a failed write: one line that names the space needed
-        raise ConfigError(f"--out={os.fspath(out)!r} could not be written ({e})") from e
+    except (OSError, CheckpointWriteError) as e:  # a full disk or a failed write: one line that names the space needed
+        for path in written:
+            path.unlink(missing_ok=True)
+        reason = (e.strerror or e) if isinstance(e, OSError) else e
+        raise ConfigError(f"--out={os.fspath(out)!r} could not be written ({reason})") from e
     return out
 
 
@@ -77,15 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Write a Hugging Face Llama-family folder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM) as an aah checkpoint: its settings, weights, own windows and tokenizer, at step 0.",
+        "Qwen3ForCausalLM) or a GGUF file of those families (pip install 'aah-lightning[gguf]') as an aah checkpoint: "
+        "its settings, float32 weights, own windows and tokenizer, at step 0.",
     )
-    parser.add_argument("folder", help="a Hugging Face model folder: config.json and safetensors weights")
+    parser.add_argument(
+        "source", help="a Hugging Face model folder (config.json and safetensors weights) or a GGUF file (.gguf)"
+    )
     parser.add_argument("--out", required=True, help="the aah checkpoint to write (.ckpt)")
     parser.add_argument("--seq_len", type=int, default=None, help="the context (default: max_position_embeddings)")
-    parser.add_argument("--tokenizer", default=None, help="default: the folder's tokenizer.json")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help=f"default: the folder's tokenizer.json, or the GGUF file's, written beside --out as <name>{TOKENIZER_SUFFIX}",
+    )
     args = parser.parse_args(argv)
     try:
-        path = write_checkpoint(args.folder, args.out, args.seq_len, args.tokenizer)
+        path = write_checkpoint(args.source, args.out, args.seq_len, args.tokenizer)
         model, _ = ck.load_model(path)  # read back as every consumer will
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

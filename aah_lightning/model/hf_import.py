@@ -11,8 +11,13 @@ listed in ``model.safetensors.index.json``), without transformers.
   ``attn.qkv``); Hugging Face's rotate-half RoPE is aah's, so no weight is permuted;
 * ``import_folder(folder)``: all of it, a GPT in eval mode with its window table.
 
-Whatever does not fit is one ``ConfigError`` line naming the folder and the unsupported family or feature, the missing
-file or weight, or the weight whose shape differs from what ``config.json`` says.
+A GGUF file (llama.cpp's format) of the same families is read through transformers' GGUF loader, which dequantises
+its weights to float32 and rebuilds its config and tokenizer from the file's metadata (the 'gguf' extra):
+``read_gguf_config``, ``read_gguf_weights`` and ``read_gguf_tokenizer`` give what a folder's files give, and
+``import_gguf(path)`` the GPT; the mappings above are the same.
+
+Whatever does not fit is one ``ConfigError`` line naming the folder (or file) and the unsupported family or feature,
+the missing file or weight, or the weight whose shape differs from what ``config.json`` says.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import Tensor
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.extras import need
+from aah_lightning.inputs import first_line
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 
@@ -42,6 +48,17 @@ REQUIRED = (
 )
 # Buffers some checkpoints carry that aah computes itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A GGUF file starts with these bytes; its general.architecture (transformers' model_type) names the family.
+GGUF_MAGIC = b"GGUF"
+GGUF_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",  # transformers' name for a llama file whose general.name says mistral
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+GGUF_EXTRA = "gguf"
+# What reading a GGUF file imports: the 'gguf' extra installs them all, so a missing one names that extra.
+GGUF_PACKAGES = ("transformers", "tokenizers", "gguf", "accelerate")
 
 
 def read_config(folder) -> dict:
@@ -212,17 +229,116 @@ def import_folder(folder, seq_len: int | None = None, backend: str = "auto", hf:
     """The GPT of a Hugging Face folder, in eval mode on the CPU in float32, with the model's own windows (``hf``:
     its config.json already read)."""
     hf = read_config(folder) if hf is None else hf
-    where = f"{folder}/{CONFIG_FILE}"
-    cfg = gpt_config(hf, seq_len, backend, where)
-    state = gpt_state_dict(read_weights(folder), cfg, str(folder))
+    cfg = gpt_config(hf, seq_len, backend, f"{folder}/{CONFIG_FILE}")
+    return _gpt(hf, cfg, read_weights(folder), str(folder), f"{folder}/{CONFIG_FILE}", CONFIG_FILE)
+
+
+def _gpt(hf: Mapping, cfg: GPTConfig, weights: Mapping[str, Tensor], where: str, config_where: str, says: str) -> GPT:
+    """The GPT of ``cfg`` with the Hugging Face ``weights`` and the model's own windows, in eval mode, float32
+    (``says``: what gave the config, in the line that refuses a weight of another shape)."""
+    state = gpt_state_dict(weights, cfg, where)
     model = GPT(cfg)
     expected = model.state_dict()
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ConfigError(
-                f"{folder}: the weight {name} has shape {tuple(tensor.shape)}, {CONFIG_FILE} says "
+                f"{where}: the weight {name} has shape {tuple(tensor.shape)}, {says} says "
                 f"{tuple(expected[name].shape)}: the config and the weights disagree"
             )
-    state["windows"] = window_table(hf, cfg, where)
+    state["windows"] = window_table(hf, cfg, config_where)
     model.load_state_dict({k: v.float() for k, v in state.items() if k != "windows"} | {"windows": state["windows"]})
     return model.eval()
+
+
+# -- GGUF files --------------------------------------------------------------------------------------------------------
+def is_gguf(path) -> bool:
+    """A file that starts as a GGUF file does (the suffix is not needed)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:  # a folder, a missing or unreadable file
+        return False
+
+
+def _gguf_reader(path, purpose: str):
+    """transformers, with every package its GGUF loader needs (one line naming the 'gguf' extra if one is missing),
+    and the file as transformers addresses it: its folder and its name."""
+    for module in GGUF_PACKAGES:
+        need(module, purpose, extra=GGUF_EXTRA)
+    import transformers
+
+    path = Path(path).resolve()
+    return transformers, str(path.parent), path.name
+
+
+def read_gguf_config(path) -> dict:
+    """The ``config.json`` of a GGUF file as transformers rebuilds it from the metadata, with the ``architectures``
+    its ``general.architecture`` names (transformers' GGUF config has none)."""
+    transformers, folder, name = _gguf_reader(path, f"reading the GGUF file {path}")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its guesses about a foreign file: aah refuses such a file in one line
+    try:
+        hf = transformers.AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True).to_dict()
+    except Exception as e:  # gguf's and transformers' readers raise what they meet: a truncated file, a foreign one
+        raise ConfigError(f"{path}: transformers' GGUF loader cannot read it ({first_line(e)})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    kind = hf.get("model_type")
+    if kind not in GGUF_FAMILIES:
+        raise ConfigError(
+            f"{path}: general.architecture={kind!r} is not supported: aah imports GGUF files of "
+            f"{', '.join(GGUF_FAMILIES)} ({', '.join(GGUF_FAMILIES.values())})"
+        )
+    _refuse_rope_scaling(path)
+    return {**hf, "architectures": [GGUF_FAMILIES[kind]]}
+
+
+def _refuse_rope_scaling(path) -> None:
+    """transformers' GGUF config of these families reads no RoPE scaling (``<arch>.rope.scaling.*``, or Llama 3.1's
+    ``rope_freqs`` tensor), so a model that has it would be imported, like transformers loads it, without it."""
+    reader = need("gguf", f"reading the GGUF file {path}", extra=GGUF_EXTRA).GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    field = reader.fields.get(f"{arch}.rope.scaling.type")
+    scaling = bytes(field.parts[-1]).decode() if field is not None else "none"
+    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        what = f"{arch}.rope.scaling.type={scaling!r}" if scaling != "none" else "a rope_freqs tensor (llama3 scaling)"
+        raise ConfigError(
+            f"{path}: {what} is not supported: transformers' GGUF loader does not read RoPE scaling, so the model "
+            f"would lose it; import the model's Hugging Face folder instead"
+        )
+
+
+def read_gguf_weights(path, hf: Mapping) -> dict[str, Tensor]:
+    """Every weight of a GGUF file in Hugging Face's names, dequantised to float32 by transformers (which also undoes
+    llama.cpp's reordering of the q and k rows); ``hf``: its config from ``read_gguf_config``."""
+    transformers, folder, name = _gguf_reader(path, f"reading the GGUF file {path}")
+    # transformers 4.56 renamed from_pretrained's torch_dtype to dtype (5.x warns on the old name)
+    old = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (4, 56)
+    dtype = {"torch_dtype" if old else "dtype": torch.float32}
+    try:
+        model = getattr(transformers, family(hf, str(path))).from_pretrained(
+            folder, gguf_file=name, local_files_only=True, **dtype
+        )
+    except Exception as e:
+        raise ConfigError(f"{path}: its weights could not be read by transformers ({first_line(e)})") from None
+    return dict(model.state_dict())
+
+
+def read_gguf_tokenizer(path) -> str:
+    """The tokenizer a GGUF file holds in its metadata, as transformers builds it, as ``tokenizer.json`` text."""
+    transformers, folder, name = _gguf_reader(path, f"reading the GGUF file {path}")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        return tok.backend_tokenizer.to_str()
+    except Exception as e:  # no tokenizer.ggml.* metadata, or a kind transformers cannot build
+        raise ConfigError(
+            f"{path}: no tokenizer transformers can build from its metadata ({first_line(e)}): pass --tokenizer "
+            f"(a tokenizer.json or hub name)"
+        ) from None
+
+
+def import_gguf(path, seq_len: int | None = None, backend: str = "auto", hf: Mapping | None = None) -> GPT:
+    """The GPT of a GGUF file, as ``import_folder`` gives a folder's (``hf``: its config already read)."""
+    hf = read_gguf_config(path) if hf is None else hf
+    cfg = gpt_config(hf, seq_len, backend, str(path))
+    return _gpt(hf, cfg, read_gguf_weights(path, hf), str(path), str(path), "its metadata")

@@ -58,6 +58,13 @@ FAMILIES = {
 
 def save_tiny(family: str, folder, seed=0, **override):
     """A transformers model of ``family`` with random weights well away from their initial values, saved."""
+    model = tiny(family, seed, **override)
+    model.save_pretrained(folder)
+    return model
+
+
+def tiny(family: str, seed=0, **override):
+    """A transformers model of ``family`` with random weights well away from their initial values."""
     config_cls, model_cls, extra = FAMILIES[family]
     import transformers
 
@@ -69,7 +76,6 @@ def save_tiny(family: str, folder, seed=0, **override):
     with torch.no_grad():
         for p in model.parameters():  # norms at 1 and biases at 0 would hide a wrong mapping
             p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.05))
-    model.save_pretrained(folder)
     return model
 
 
