@@ -179,7 +179,7 @@ class AAHModule(L.LightningModule):
             retrofit.check_source(gpt, self._source)  # one line naming what differs, before anything is built
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
-        self.model = GPT(self.gpt_config)
+        self.model = GPT(self.gpt_config, sink=aah.sink)  # validated by make_policy
         self.model.set_windows(self.policy.initial_table())
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
