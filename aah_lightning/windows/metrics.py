@@ -2,9 +2,12 @@
 
 Model-wide values are pure tensor math with no host syncs:
 
-* ACR (the paper's definition, kept exactly): mean over (layer, head) of ``min(W, T) / T``.
+* ACR (the paper's definition, kept exactly without a sink): mean over (layer, head) of ``min(W, T) / T``. An
+  attention sink of S positions adds its pairs, ``sink_pairs(W, S, T) / T^2`` per head (``window_math.sink_pairs``):
+  ``min(W, T) / T`` is a head's ``min(W, T) * T`` key slots over the ``T^2`` of the score matrix, and the sink adds
+  as many slots as it adds pairs.
 * causal coverage: allowed causal pairs / all causal pairs, ``pairs(W, T) = W(W+1)/2 + (T-W)W`` for ``W <= T``
-  over ``T(T+1)/2`` - the work a perfect kernel does.
+  (plus the sink's pairs) over ``T(T+1)/2`` - the work a perfect kernel does.
 * block density: non-empty tiles of the BlockMask / causal tiles - the work FlexAttention does.
 * window fractions: share of heads on each candidate window.
 
@@ -33,18 +36,27 @@ if TYPE_CHECKING:  # type hints only: the controller imports this module
 __all__ = ["acr", "block_density", "causal_coverage", "causal_pairs"]
 
 
-def acr(windows: Tensor, seq_len: int) -> Tensor:
-    """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len``."""
-    return (torch.clamp(windows.to(torch.float64), max=seq_len) / seq_len).mean()
+def head_acr(windows: Tensor, seq_len: int, sink: int = 0) -> Tensor:
+    """Each head's ACR (float64, the table's shape): ``min(W, T) / T``, plus ``sink_pairs(W, S, T) / T^2``."""
+    w = torch.clamp(windows.to(torch.float64), max=seq_len)
+    if not sink:
+        return w / seq_len
+    return w / seq_len + (causal_pairs(windows, seq_len, sink) - causal_pairs(windows, seq_len)) / seq_len**2
+
+
+def acr(windows: Tensor, seq_len: int, sink: int = 0) -> Tensor:
+    """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len`` (with the model's
+    attention sink: its pairs counted)."""
+    return head_acr(windows, seq_len, sink).mean()
 
 
 # -- per-layer values of a table ----------------------------------------------------------------------------------
-def layer_acr(table: Tensor, seq_len: int) -> list[float]:
-    return [float(acr(row, seq_len)) for row in table]
+def layer_acr(table: Tensor, seq_len: int, sink: int = 0) -> list[float]:
+    return [float(acr(row, seq_len, sink)) for row in table]
 
 
-def layer_causal_coverage(table: Tensor, seq_len: int) -> list[float]:
-    return [float(causal_coverage(row, seq_len)) for row in table]
+def layer_causal_coverage(table: Tensor, seq_len: int, sink: int = 0) -> list[float]:
+    return [float(causal_coverage(row, seq_len, sink)) for row in table]
 
 
 def layer_distinct_windows(table: Tensor, seq_len: int) -> list[int]:
@@ -137,11 +149,12 @@ def _tree_lines(tree: GroupTree, row: list[int], level: int, group: int, depth: 
             _tree_lines(tree, row, level - 1, child, depth + 1, lines)
 
 
-def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
-    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``)."""
+def window_costs(candidates: list[int], seq_len: int, measure: str, sink: int = 0) -> Tensor:
+    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``), the
+    attention sink's pairs included."""
     w = torch.tensor(candidates, dtype=torch.float64)
     if measure == "acr":
-        return torch.clamp(w, max=seq_len) / seq_len
+        return head_acr(w, seq_len, sink)
     if measure == "causal_coverage":
-        return causal_pairs(w, seq_len) / (seq_len * (seq_len + 1) / 2)
+        return causal_pairs(w, seq_len, sink) / (seq_len * (seq_len + 1) / 2)
     raise ValueError(f"unknown budget measure {measure!r}")
