@@ -22,7 +22,7 @@ this table in code, ``keys_table()`` prints it; docs/architecture.md, "Checkpoin
 | `aah_log_folder` | `LOG_FOLDER_KEY` | aah: `LastCheckpoint.on_save_checkpoint` (lit/last_checkpoint.py) | `{save_dir, name, version}` of the run's logger: a resumed run logs on there |
 | `aah_policy` | `POLICY_KEY` | aah: `AAHModule.on_save_checkpoint` | the window policy's `state_dict()` (plain tensors, lists, ints): a resumed run decides as the uninterrupted one would; inspect rebuilds the head groups from it |
 | `aah_rng` | `RNG_KEY` | aah: `AAHModule.on_save_checkpoint` | every rank's Python, NumPy, torch (CUDA) RNG states, in rank order |
-| `aah_window_usage` | `WINDOW_USAGE_KEY` | aah: `AAHModule.on_save_checkpoint` | `WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), `steps`, `nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps |
+| `aah_window_usage` | `WINDOW_USAGE_KEY` | aah: `AAHModule.on_save_checkpoint` | `WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), with an attention sink `sink_sum` (its pairs summed over steps), `steps`, `nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps |
 
 Every other module names a key by its constant here: ``tests/test_checkpoint.py`` checks that no other module of
 the package or tool spells one out, and that this table, ``KEYS`` and the one in docs/architecture.md agree.
@@ -138,7 +138,8 @@ KEYS: dict[str, tuple[str, str]] = {
     ),
     WINDOW_USAGE_KEY: (
         "aah: `AAHModule.on_save_checkpoint`",
-        "`WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), `steps`, "
+        "`WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), with an attention "
+        "sink `sink_sum` (its pairs summed over steps), `steps`, "
         "`nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps",
     ),
 }

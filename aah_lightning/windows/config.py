@@ -165,7 +165,7 @@ class BudgetConfig:
             return "causal_coverage", float(self.target_causal_coverage)
         return None
 
-    def validate(self, key: str, candidates: list[int], seq_len: int) -> None:
+    def validate(self, key: str, candidates: list[int], seq_len: int, sink: int = 0) -> None:
         if self.target_acr is not None and self.target_causal_coverage is not None:
             raise ConfigError(
                 f"{key}target_acr={self.target_acr!r} and {key}target_causal_coverage="
@@ -175,7 +175,7 @@ class BudgetConfig:
             budget = getattr(self, name)
             if budget is None:
                 continue
-            smallest = float(window_costs(candidates, seq_len, measure)[0])
+            smallest = float(window_costs(candidates, seq_len, measure, sink)[0])
             require(
                 smallest <= budget <= 1,
                 key + name,
@@ -426,12 +426,12 @@ class ControllerConfig:
             move_flat_setting("model.aah.controller", key, value, [(block, getattr(self, block), name, default)], 3)
             setattr(self, key, None)
 
-    def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
+    def validate(self, candidates: list[int], seq_len: int, n_head: int, sink: int = 0) -> None:
         key = "model.aah.controller."
         self.need.validate(key + "need.")
         self.groups.validate(key + "groups.", n_head)
         self.allocation.validate(key + "allocation.")
-        self.budget.validate(key + "budget.", candidates, seq_len)
+        self.budget.validate(key + "budget.", candidates, seq_len, sink)
         self.reach.validate(key + "reach.", candidates, n_head, self.budget.target() is not None)
         self.settle.validate(key + "settle.")
         self.schedule.validate(key + "schedule.")

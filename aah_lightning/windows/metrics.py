@@ -50,6 +50,16 @@ def acr(windows: Tensor, seq_len: int, sink: int = 0) -> Tensor:
     return head_acr(windows, seq_len, sink).mean()
 
 
+def usage_head_acr(usage, seq_len: int) -> Tensor:
+    """Each head's ACR averaged over a run (``[L, H]`` float64) from its window usage (``WindowUsage.state_dict()``,
+    in checkpoints): ``window_sum / (steps T)``, plus ``sink_sum / (steps T^2)`` when the run had an attention sink."""
+    steps = int(usage["steps"])
+    head = usage["window_sum"].to(torch.float64) / (steps * seq_len)
+    if usage.get("sink_sum") is not None:
+        head = head + usage["sink_sum"].to(torch.float64) / (steps * seq_len**2)
+    return head
+
+
 # -- per-layer values of a table ----------------------------------------------------------------------------------
 def layer_acr(table: Tensor, seq_len: int, sink: int = 0) -> list[float]:
     return [float(acr(row, seq_len, sink)) for row in table]
@@ -70,12 +80,14 @@ def layer_window_spread(table: Tensor, seq_len: int) -> list[float]:
     return [float(torch.log2(row.max() / row.min())) for row in clipped]
 
 
-def layer_block_density(table: Tensor, seq_len: int, block_size: int) -> list[float]:
+def layer_block_density(table: Tensor, seq_len: int, block_size: int, sink: int = 0) -> list[float]:
     """Analytic non-empty tiles / causal tiles per layer: what a BlockMask of the table visits."""
-    return [float(block_density(row.view(1, -1), seq_len, block_size)) for row in table]
+    return [float(block_density(row.view(1, -1), seq_len, block_size, sink)) for row in table]
 
 
-def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size: int) -> tuple[list[float], list[str]]:
+def plan_block_density(
+    plans: Sequence, table: Tensor, seq_len: int, block_size: int, sink: int = 0
+) -> tuple[list[float], list[str]]:
     """Block density per layer from the plans a forward used, and where each value came from.
 
     Each plan reports its own tiles (``Plan.tile_counts``): counted on the BlockMask its kernel ran with
@@ -84,7 +96,9 @@ def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size:
     analytic count of the table's row.
     """
     counts = [
-        window_math.tile_counts(table[layer], seq_len, block_size) if plan is None else plan.tile_counts(block_size)
+        window_math.tile_counts(table[layer], seq_len, block_size, sink)
+        if plan is None
+        else plan.tile_counts(block_size)
         for layer, plan in enumerate(plans)
     ]
     return [c.density for c in counts], [c.source for c in counts]
