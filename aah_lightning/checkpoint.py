@@ -22,7 +22,7 @@ this table in code, ``keys_table()`` prints it; docs/architecture.md, "Checkpoin
 | `aah_log_folder` | `LOG_FOLDER_KEY` | aah: `LastCheckpoint.on_save_checkpoint` (lit/last_checkpoint.py) | `{save_dir, name, version}` of the run's logger: a resumed run logs on there |
 | `aah_policy` | `POLICY_KEY` | aah: `AAHModule.on_save_checkpoint` | the window policy's `state_dict()` (plain tensors, lists, ints): a resumed run decides as the uninterrupted one would; inspect rebuilds the head groups from it |
 | `aah_rng` | `RNG_KEY` | aah: `AAHModule.on_save_checkpoint` | every rank's Python, NumPy, torch (CUDA) RNG states, in rank order |
-| `aah_window_usage` | `WINDOW_USAGE_KEY` | aah: `AAHModule.on_save_checkpoint` | `WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), `steps`, `nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps |
+| `aah_window_usage` | `WINDOW_USAGE_KEY` | aah: `AAHModule.on_save_checkpoint` | `WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), with an attention sink `sink_sum` (its pairs summed over steps), `steps`, `nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps |
 
 Every other module names a key by its constant here: ``tests/test_checkpoint.py`` checks that no other module of
 the package or tool spells one out, and that this table, ``KEYS`` and the one in docs/architecture.md agree.
@@ -138,7 +138,8 @@ KEYS: dict[str, tuple[str, str]] = {
     ),
     WINDOW_USAGE_KEY: (
         "aah: `AAHModule.on_save_checkpoint`",
-        "`WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), `steps`, "
+        "`WindowUsage.state_dict()`: `window_sum` [n_layer, n_head] (min(W, T) summed over steps), with an attention "
+        "sink `sink_sum` (its pairs summed over steps), `steps`, "
         "`nonuniform_steps`: the suite's per-head ACR and share of non-uniform steps",
     ),
 }
@@ -433,6 +434,12 @@ def gpt_settings(checkpoint: Mapping) -> dict:
     return dict(hyperparameters(checkpoint).get("gpt") or {})
 
 
+def sink_setting(checkpoint: Mapping) -> int:
+    """The model's attention sink, ``model.aah.sink`` of the checkpoint's hyperparameters (0 for checkpoints written
+    before the setting existed): the one place a GPT built from a checkpoint learns its sink."""
+    return int((hyperparameters(checkpoint).get("aah") or {}).get("sink", 0))
+
+
 def data_settings(checkpoint: Mapping) -> dict:
     """The data module's hyperparameters (the ``data.*`` settings) in today's layout, each source's settings in its
     block (``data/config.py``), whatever layout the checkpoint holds, without the private ``_`` entries (Lightning's
@@ -456,7 +463,8 @@ def window_table(checkpoint: Mapping) -> torch.Tensor:
 
 
 def check_matches(checkpoint: Mapping, module, path: str = "checkpoint") -> None:
-    """The checkpoint holds weights of exactly ``module``'s shapes; otherwise one line saying which setting differs."""
+    """The checkpoint holds weights of exactly ``module``'s shapes and its attention sink; otherwise one line saying which
+    setting differs."""
     theirs = gpt_settings(checkpoint)
     ours = asdict(module.gpt_config)
     diffs = [k for k in WEIGHT_SHAPE_SETTINGS if k in theirs and theirs[k] != ours[k]]
@@ -467,6 +475,12 @@ def check_matches(checkpoint: Mapping, module, path: str = "checkpoint") -> None
         raise ConfigError(
             f"ckpt_path={path!r} holds a model with {got}, but this run builds {want}{hint}: use the settings the "
             f"checkpoint was trained with"
+        )
+    ours_sink = getattr(getattr(module, "aah_config", None), "sink", 0)
+    if HYPER_PARAMETERS_KEY in checkpoint and sink_setting(checkpoint) != ours_sink:
+        raise ConfigError(
+            f"ckpt_path={path!r} holds a model trained with model.aah.sink={sink_setting(checkpoint)}, but this run "
+            f"has model.aah.sink={ours_sink}: use the sink the checkpoint was trained with"
         )
     state = checkpoint.get(STATE_DICT_KEY)
     if state is None:  # e.g. a distributed checkpoint whose weights the strategy loads itself
@@ -498,7 +512,7 @@ def build_model(checkpoint: Mapping, path="checkpoint", setting: str = "checkpoi
             f"{where} is not a checkpoint written by aah fit (no {HYPER_PARAMETERS_KEY}/{STATE_DICT_KEY})"
         )
     try:
-        model = GPT(GPTConfig(**gpt_settings(checkpoint)))
+        model = GPT(GPTConfig(**gpt_settings(checkpoint)), sink=sink_setting(checkpoint))
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} does not describe an aah GPT ({e})") from e
     try:

@@ -271,12 +271,33 @@ def test_a_checkpoint_of_the_flat_layout_loads():
     cfg = model.cfg
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len, cfg.vocab_size) == (2, 2, 8, 16, 13)
     assert (cfg.rope_base, cfg.mlp_ratio) == (500.0, 2.0)
+    assert model.sink == 0  # written before model.aah.sink existed: no sink
     module = AAHModule.load_from_checkpoint(FORMAT_1)
     assert module.gpt_config == cfg and module.aah_config.candidates == [4, 8, 16]
     assert module.optim_config.warmup_steps == 1
     ids = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(ids), module.eval().model(ids))
+
+
+def test_a_checkpoint_gives_every_gpt_built_from_it_its_sink():
+    """model.aah.sink of the hyperparameters is the one home of the sink: build_model (load_model, the export,
+    inspection) reads it there; AAHModule (resume, validate, predict) from the same settings."""
+    checkpoint = ck.read_checkpoint(FORMAT_1)
+    checkpoint[ck.HYPER_PARAMETERS_KEY]["aah"]["sink"] = 3
+    assert ck.sink_setting(checkpoint) == 3 and ck.sink_setting(ck.read_checkpoint(FORMAT_1)) == 0
+    model = ck.build_model(checkpoint)
+    module = AAHModule(**ck.hyperparameters(checkpoint))
+    assert model.sink == module.model.sink == 3
+    module.model.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(0))
+    without = ck.build_model(ck.read_checkpoint(FORMAT_1))
+    with torch.no_grad():
+        assert torch.equal(model(ids), module.eval().model(ids))
+        assert not torch.allclose(model(ids), without(ids))  # the windows are below 16: the sink changes logits
+    ck.check_matches(checkpoint, module)
+    with pytest.raises(ConfigError, match=r"trained with model\.aah\.sink=0, but this run has model\.aah\.sink=3"):
+        ck.check_matches(ck.read_checkpoint(FORMAT_1), module)
 
 
 def test_a_checkpoint_of_the_flat_layout_resumes_and_validates(tmp_path, capsys):

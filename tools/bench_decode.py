@@ -96,7 +96,7 @@ def section(T: int, args) -> str:
     for name, m in models.items():
         tok_s[name] = [B / (t / 1e3) for t in decode_times[name]]
         nbytes = caches[name].nbytes
-        exact = gen.cache_bytes(m.windows.tolist(), T + steps, cfg.head_dim, B)
+        exact = gen.cache_bytes(m.windows.tolist(), T + steps, cfg.head_dim, B, sink=m.sink)
         assert nbytes == exact, (nbytes, exact)
         pre, fwd = prefill_times[f"prefill {name}"], prefill_times[f"forward {name}"]
         rows.append(

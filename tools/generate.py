@@ -87,7 +87,9 @@ def main(argv=None) -> int:
     total = len(ids) + cfg.max_new_tokens
     c = model.cfg
     dtype = next(model.parameters()).dtype
-    cache = gen.cache_bytes(model.windows.tolist(), total, c.head_dim, dtype=dtype, n_kv_head=c.kv_heads)
+    cache = gen.cache_bytes(
+        model.windows.tolist(), total, c.head_dim, dtype=dtype, n_kv_head=c.kv_heads, sink=model.sink
+    )
     full = gen.full_cache_bytes(c.n_layer, c.kv_heads, total, c.head_dim, dtype=dtype)
     print(
         f"[{len(ids) - 1} prompt tokens, {len(out.tokens)} new ({out.stop}), {len(out.tokens) / seconds:.0f} "

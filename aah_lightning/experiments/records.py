@@ -158,13 +158,14 @@ def window_summary(ckpt_path: str) -> tuple[dict[str, float], dict[str, list]]:
     different windows), ``final_distinct_max`` (most different windows within one layer of the final table), and the
     final table and each head's ACR averaged over the run (for tables.json)."""
     from aah_lightning.checkpoint import WINDOW_USAGE_KEY, gpt_settings, read_checkpoint, window_table
+    from aah_lightning.windows.metrics import usage_head_acr
 
     ckpt = read_checkpoint(ckpt_path, setting="the run's last checkpoint")
     seq_len = gpt_settings(ckpt)["seq_len"]
     table = window_table(ckpt).clamp(max=seq_len)
     usage = ckpt.get(WINDOW_USAGE_KEY) or {}
     steps = int(usage.get("steps", 0))
-    head_acr = usage["window_sum"].double() / (steps * seq_len) if steps else table.double() * math.nan
+    head_acr = usage_head_acr(usage, seq_len) if steps else table.double() * math.nan
     fields = {
         "nonuniform_share": usage.get("nonuniform_steps", 0) / steps if steps else math.nan,
         "final_distinct_max": max(len(set(row.tolist())) for row in table),

@@ -120,9 +120,9 @@ _ROPE_FIELDS = {
 }
 
 
-def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
-    """The exported model's config: ``gpt``'s shape (the Llama family's settings included), the window table and the
-    special tokens."""
+def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int, sink: int = 0):
+    """The exported model's config: ``gpt``'s shape (the Llama family's settings included), the window table, the
+    attention sink (``model.aah.sink``) and the special tokens."""
     from aah_lightning.export.hf_code.configuration_aah import AAHTransformersConfig
 
     config = AAHTransformersConfig(
@@ -144,6 +144,7 @@ def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int):
         **{theirs: getattr(gpt, ours) for ours, theirs in _ROPE_FIELDS.items()},
         bias=gpt.bias,
         windows=windows.tolist(),
+        sink=sink,
         document_mask=gpt.document_mask,
         bos_token_id=eod_id,
         eos_token_id=eod_id,
@@ -175,7 +176,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     eod_id = (
         tok.eod_id if tok is not None else gpt.vocab_size - 1
     )  # token ids: the last id (synthetic: after the symbols)
-    config = hf_config(gpt, windows, eod_id)
+    config = hf_config(gpt, windows, eod_id, aah_model.sink)
 
     from aah_lightning.export.hf_code.modeling_aah import AAHForCausalLM
 
@@ -197,7 +198,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     dtype = next(iter(tensors.values())).dtype
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
-    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype)
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype, aah_model.sink)
     return ExportPlan(ckpt_path, config, tensors, tok, card, data.get("source", "stdlib"))
 
 

@@ -33,17 +33,19 @@ def data_summary(data: dict) -> dict:
     return summary
 
 
-def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
-    """Markdown lines: ACR, causal coverage, the window histogram and the table itself."""
+def window_summary(windows: torch.Tensor, seq_len: int, sink: int = 0) -> list[str]:
+    """Markdown lines: ACR, causal coverage (both with the sink's pairs), the window histogram and the table itself."""
     table = windows.to(torch.int64)
-    acr = float(metrics.acr(table, seq_len))
-    coverage = float(metrics.causal_coverage(table, seq_len))
+    acr = float(metrics.acr(table, seq_len, sink))
+    coverage = float(metrics.causal_coverage(table, seq_len, sink))
     counts = Counter(int(w) for w in table.flatten().tolist())
     n = table.numel()
+    with_sink = " plus the sink's pairs / T^2" if sink else ""
     lines = [
-        f"- ACR (mean over heads of min(W, T) / T, T = {seq_len}): **{acr:.3f}**",
+        f"- ACR (mean over heads of min(W, T) / T{with_sink}, T = {seq_len}): **{acr:.3f}**",
         f"- causal coverage (in-window causal pairs / all causal pairs): **{coverage:.3f}**",
         "- windows: " + ", ".join(f"W={w}: {c} of {n} heads" for w, c in sorted(counts.items())),
+        *([f"- attention sink: the first {sink} positions stay visible to every head"] if sink else []),
         "",
         "| layer | " + " | ".join(f"head {h}" for h in range(table.shape[1])) + " | ACR | causal coverage |",
         "|---" * (table.shape[1] + 3) + "|",
@@ -51,8 +53,8 @@ def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
     for layer, row in enumerate(table):
         cells = " | ".join(str(int(w)) for w in row)
         lines.append(
-            f"| {layer} | {cells} | {float(metrics.acr(row, seq_len)):.3f} | "
-            f"{float(metrics.causal_coverage(row, seq_len)):.3f} |"
+            f"| {layer} | {cells} | {float(metrics.acr(row, seq_len, sink)):.3f} | "
+            f"{float(metrics.causal_coverage(row, seq_len, sink)):.3f} |"
         )
     return lines
 
@@ -60,8 +62,8 @@ def window_summary(windows: torch.Tensor, seq_len: int) -> list[str]:
 @dataclass(frozen=True)
 class KVSaving:
     """Key/value-cache bytes per token of context at ``context`` tokens: aah's window cache (``generate.cache_bytes``,
-    what ``WindowKVCache`` allocates: each key/value head keeps ``min(W, context)`` positions for the widest window
-    ``W`` of its query heads) against a cache of every position (``generate.full_cache_bytes``), both with the model's
+    what ``WindowKVCache`` allocates: each key/value head keeps ``min(sink + W, context)`` positions for the widest
+    window ``W`` of its query heads and the attention sink) against a cache of every position (``generate.full_cache_bytes``), both with the model's
     own key/value heads."""
 
     context: int
@@ -78,23 +80,26 @@ class KVSaving:
         return 1.0 - self.kept
 
 
-def kv_saving(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> KVSaving:
-    """The window table's KV cache per token at the trained context ``gpt.seq_len``, in ``dtype``."""
+def kv_saving(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype = torch.float32, sink: int = 0) -> KVSaving:
+    """The window table's KV cache per token at the trained context ``gpt.seq_len``, in ``dtype`` (with ``sink``
+    positions more per windowed key/value head)."""
     T, D, kv = gpt.seq_len, gpt.head_dim, gpt.kv_heads
-    window = generate.cache_bytes(windows.tolist(), T, D, dtype=dtype, n_kv_head=kv)
+    window = generate.cache_bytes(windows.tolist(), T, D, dtype=dtype, n_kv_head=kv, sink=sink)
     full = generate.full_cache_bytes(gpt.n_layer, kv, T, D, dtype=dtype)
     return KVSaving(T, dtype, window / T, full / T)
 
 
-def kv_lines(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype) -> list[str]:
-    """Markdown lines: the KV cache the windows need against full attention."""
-    kv = kv_saving(windows, gpt, dtype)
+def kv_lines(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype, sink: int = 0) -> list[str]:
+    """Markdown lines: the KV cache the windows (and the sink) need against full attention."""
+    kv = kv_saving(windows, gpt, dtype, sink)
     kind = str(dtype).removeprefix("torch.")
     groups = (
         f"{gpt.kv_heads} key/value heads for {gpt.n_head} query heads: each keeps the widest window of its group"
         if gpt.kv_heads != gpt.n_head
         else "one key/value head per query head"
     )
+    if sink:
+        groups += f", plus the {sink} sink positions per windowed key/value head"
     return [
         f"- KV cache per token of context at T = {kv.context} ({kind}, {groups}): **{kv.window:,.0f} B** with the "
         f"windows against **{kv.full:,.0f} B** for full attention: **{kv.kept:.3f}** of it kept, "
@@ -181,9 +186,10 @@ def render(
     params: int,
     path: str = "PATH",
     dtype: torch.dtype = torch.float32,
+    sink: int = 0,
 ) -> str:
     """The card's markdown; ``params``: the exported model's parameter count; ``path``: the export folder, as the
-    snippet loads it; ``dtype``: the weights' (and so the cache's) dtype."""
+    snippet loads it; ``dtype``: the weights' (and so the cache's) dtype; ``sink``: the model's attention sink."""
     training = {"model": hyperparameters(ckpt), "data": data_summary(data)}
     step = ckpt.get(GLOBAL_STEP_KEY)
     source = data.get("source", "?")
@@ -211,8 +217,9 @@ def render(
         f"Architecture: {architecture(gpt)}.",
         "",
         "A GPT trained with aah (Asymmetric Attention Heads): **every attention head has its own causal window**. "
-        "Query i of head h in layer l attends to key j iff `0 <= i - j < windows[l][h]`; the table is `windows` in "
-        "config.json and the modeling code (`modeling_aah.py`) applies it exactly.",
+        "Query i of head h in layer l attends to key j iff `0 <= i - j < windows[l][h]`"
+        + (f" or `j < {sink}` (the attention sink, `sink` in config.json)" if sink else "")
+        + "; the table is `windows` in config.json and the modeling code (`modeling_aah.py`) applies it exactly.",
         "",
         f"- exported from `{os.path.basename(ckpt_path)}`" + (f" at optimizer step {step}" if step is not None else ""),
         f"- about {params / 1e6:.2f} M parameters; trained sequence length T = {gpt.seq_len} "
@@ -232,9 +239,9 @@ def render(
         "",
         "## Window table",
         "",
-        *window_summary(windows, gpt.seq_len),
+        *window_summary(windows, gpt.seq_len, sink),
         "",
-        *kv_lines(windows, gpt, dtype),
+        *kv_lines(windows, gpt, dtype, sink),
         "",
         "## Load",
         "",

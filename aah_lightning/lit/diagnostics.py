@@ -63,13 +63,14 @@ class TableScalars:
     def values(
         self, pl_module, table: Tensor, seq_len: int, report: PolicyReport, previous: Tensor | None = None
     ) -> dict[str, float]:
+        sink = pl_module.model.sink  # ACR and causal coverage count the attention sink's pairs
         values = {
-            "aah/acr": float(metrics.acr(table, seq_len)),
-            "aah/causal_coverage": float(metrics.causal_coverage(table, seq_len)),
+            "aah/acr": float(metrics.acr(table, seq_len, sink)),
+            "aah/causal_coverage": float(metrics.causal_coverage(table, seq_len, sink)),
         }
         per_layer = {
-            "aah/acr": metrics.layer_acr(table, seq_len),
-            "aah/causal_coverage": metrics.layer_causal_coverage(table, seq_len),
+            "aah/acr": metrics.layer_acr(table, seq_len, sink),
+            "aah/causal_coverage": metrics.layer_causal_coverage(table, seq_len, sink),
             # Whether the heads of a layer really differ: 1 distinct window / spread 0 is one window for all.
             "aah/distinct_windows": metrics.layer_distinct_windows(table, seq_len),
             "aah/window_spread": metrics.layer_window_spread(table, seq_len),
@@ -78,7 +79,7 @@ class TableScalars:
             values[tag] = sum(per_layer[tag]) / len(per_layer[tag])
         if self.block_density:
             density, _ = metrics.plan_block_density(
-                self.plans_in_use(pl_module, seq_len), table, seq_len, pl_module.model.cfg.block_size
+                self.plans_in_use(pl_module, seq_len), table, seq_len, pl_module.model.cfg.block_size, sink
             )
             values["aah/block_density"] = sum(density) / len(density)  # every layer has the same tile count
             per_layer["aah/block_density"] = density
@@ -167,12 +168,12 @@ class WindowMap:
 
     tags = ("aah/window_map",)
 
-    def log(self, media: list, table: Tensor, step: int, seq_len: int, report: PolicyReport) -> None:
+    def log(self, media: list, table: Tensor, step: int, seq_len: int, report: PolicyReport, sink: int = 0) -> None:
         from aah_lightning.windows import plots  # matplotlib: loaded only by runs that draw
 
         title = (
-            f"step {step}: ACR {float(metrics.acr(table, seq_len)):.3f}, "
-            f"causal coverage {float(metrics.causal_coverage(table, seq_len)):.3f}"
+            f"step {step}: ACR {float(metrics.acr(table, seq_len, sink)):.3f}, "
+            f"causal coverage {float(metrics.causal_coverage(table, seq_len, sink)):.3f}"
         )
         fig = plots.window_map_figure(table, seq_len, report.candidates, title)
         rgb = plots.figure_rgb(fig)
@@ -327,7 +328,7 @@ class WindowDiagnostics(L.Callback):
             self._last_table = table
         if media and self._visuals_due(table, report, step):
             if self.window_map is not None:
-                self.window_map.log(media, table, step, seq_len, report)
+                self.window_map.log(media, table, step, seq_len, report, pl_module.model.sink)
             if self.hierarchy is not None:
                 self.hierarchy.log(media, table, step, report)
         if self.per_layer and report.need is not None and report.last_step != self._need_step:

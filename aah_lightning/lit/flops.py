@@ -31,19 +31,20 @@ def matmul_weights(cfg: GPTConfig) -> int:
     return cfg.n_layer * per_layer + cfg.vocab_size * c
 
 
-def attention_pairs(rows: Iterable[Iterable[int]], seq_len: int) -> int:
-    """Causal in-window pairs summed over every (layer, head) of a window table given as rows of ints."""
-    return sum(window_pairs(w, seq_len) for row in rows for w in row)
+def attention_pairs(rows: Iterable[Iterable[int]], seq_len: int, sink: int = 0) -> int:
+    """Causal in-window pairs (and the attention sink's) summed over every (layer, head) of a window table given as
+    rows of ints."""
+    return sum(window_pairs(w, seq_len, sink) for row in rows for w in row)
 
 
-def forward_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int) -> int:
-    """Forward FLOPs of one sequence of ``seq_len`` tokens under the window table ``rows``."""
-    return 2 * matmul_weights(cfg) * seq_len + 4 * cfg.head_dim * attention_pairs(rows, seq_len)
+def forward_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int, sink: int = 0) -> int:
+    """Forward FLOPs of one sequence of ``seq_len`` tokens under the window table ``rows`` and attention sink."""
+    return 2 * matmul_weights(cfg) * seq_len + 4 * cfg.head_dim * attention_pairs(rows, seq_len, sink)
 
 
-def training_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int) -> int:
+def training_flops(cfg: GPTConfig, rows: Iterable[Iterable[int]], seq_len: int, sink: int = 0) -> int:
     """Forward + backward FLOPs of one training sequence (backward = 2 x forward)."""
-    return 3 * forward_flops(cfg, rows, seq_len)
+    return 3 * forward_flops(cfg, rows, seq_len, sink)
 
 
 # Dense peak FLOP/s of one current NVIDIA datacenter GPU, by matmul type. Sources: NVIDIA's product datasheets,

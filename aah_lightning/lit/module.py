@@ -40,8 +40,10 @@ from aah_lightning.lit.lightning_private import attached_trainer
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.window_math import causal_pairs
 from aah_lightning.model_source import ModelSource
 from aah_lightning.windows.config import AAHConfig
+from aah_lightning.windows.metrics import usage_head_acr
 from aah_lightning.windows.policy_base import make_policy
 
 
@@ -84,13 +86,16 @@ class WindowUsage:
     """What the run's windows cost and whether heads differed, over all its optimizer steps (in checkpoints).
 
     ``window_sum[l, h]``: the sum over steps of ``min(W, T)`` (divided by steps and T: each head's ACR averaged over
-    the run); ``steps``; ``nonuniform_steps``: steps at which some layer's heads held different windows. One small
-    device add per step and a host check only when the table changes, so training never waits for it.
+    the run); ``sink_sum[l, h]``: with an attention sink, the sum over steps of the pairs it adds
+    (``window_math.sink_pairs``; divided by steps and T^2, the sink's share of that ACR); ``steps``;
+    ``nonuniform_steps``: steps at which some layer's heads held different windows. One small device add per step and
+    a host check only when the table changes, so training never waits for it.
     """
 
-    def __init__(self, n_layer: int, n_head: int, seq_len: int):
-        self.seq_len = seq_len
+    def __init__(self, n_layer: int, n_head: int, seq_len: int, sink: int = 0):
+        self.seq_len, self.sink = seq_len, sink
         self.window_sum: torch.Tensor | None = None  # int64 [L, H], on the model's device once training starts
+        self.sink_sum: torch.Tensor | None = None  # int64 [L, H], with a sink
         self.steps = 0
         self.nonuniform_steps = 0
         self._nonuniform: bool | None = None  # of the table in force (None: not looked at yet)
@@ -102,6 +107,13 @@ class WindowUsage:
         elif self.window_sum.device != windows.device:  # restored from a checkpoint on the CPU
             self.window_sum = self.window_sum.to(windows.device)
         self.window_sum.add_(windows.clamp(max=self.seq_len))
+        if self.sink:
+            if self.sink_sum is None or self.sink_sum.device != windows.device:
+                self.sink_sum = torch.zeros(self._shape, dtype=torch.int64, device=windows.device).add_(
+                    0 if self.sink_sum is None else self.sink_sum.to(windows.device)
+                )
+            added = causal_pairs(windows, self.seq_len, self.sink) - causal_pairs(windows, self.seq_len)
+            self.sink_sum.add_(added.round().to(torch.int64))  # integers, exact in float64
         if changed or self._nonuniform is None:
             rows = windows.detach().clamp(max=self.seq_len).cpu()
             self._nonuniform = bool((rows != rows[:, :1]).any())
@@ -112,16 +124,20 @@ class WindowUsage:
         """``[L, H]`` float64: each head's ACR averaged over the run's steps."""
         if self.window_sum is None or not self.steps:
             return torch.full(self._shape, float("nan"), dtype=torch.float64)
-        return self.window_sum.cpu().to(torch.float64) / (self.steps * self.seq_len)
+        return usage_head_acr(self.state_dict(), self.seq_len)
 
     def state_dict(self) -> dict:
         total = self.window_sum.cpu() if self.window_sum is not None else torch.zeros(self._shape, dtype=torch.int64)
-        return {"window_sum": total, "steps": self.steps, "nonuniform_steps": self.nonuniform_steps}
+        state = {"window_sum": total, "steps": self.steps, "nonuniform_steps": self.nonuniform_steps}
+        if self.sink_sum is not None:
+            state["sink_sum"] = self.sink_sum.cpu()
+        return state
 
     def load_state_dict(self, state: dict | None) -> None:
         if not state or tuple(state["window_sum"].shape) != self._shape:
             return
         self.window_sum = state["window_sum"].to(torch.int64).clone()
+        self.sink_sum = state["sink_sum"].to(torch.int64).clone() if "sink_sum" in state else None
         self.steps, self.nonuniform_steps = int(state["steps"]), int(state["nonuniform_steps"])
         self._nonuniform = None
 
@@ -179,7 +195,7 @@ class AAHModule(L.LightningModule):
             retrofit.check_source(gpt, self._source)  # one line naming what differs, before anything is built
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
-        self.model = GPT(self.gpt_config)
+        self.model = GPT(self.gpt_config, sink=aah.sink)  # validated by make_policy
         self.model.set_windows(self.policy.initial_table())
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
@@ -187,7 +203,7 @@ class AAHModule(L.LightningModule):
         self.val_bpb, self.test_bpb = BitsPerByte(), BitsPerByte()  # for batches that know their text ("bytes")
         self.val_recall, self.test_recall = RecallAccuracy(seq_len), RecallAccuracy(seq_len)  # recall task batches
         self.table_sync = distributed.WindowTableSync()
-        self.window_usage = WindowUsage(n_layer, n_head, seq_len)
+        self.window_usage = WindowUsage(n_layer, n_head, seq_len, aah.sink)
         self._prepared = False
         self._rng_to_restore = None
         self.checked_checkpoint: str | None = None  # the file the CLI's preflight already checked against this model

@@ -116,7 +116,7 @@ class Throughput(L.Callback):
         """Training FLOPs of one sequence under the current table (recounted only when the table changes)."""
         rows = host_rows(pl_module)
         if self._flops_key is None or self._flops_key[0] is not rows or self._flops_key[1] != seq_len:
-            self._flops_per_seq = flops.training_flops(pl_module.model.cfg, rows, seq_len)
+            self._flops_per_seq = flops.training_flops(pl_module.model.cfg, rows, seq_len, pl_module.model.sink)
             self._flops_key = (rows, seq_len)
         return self._flops_per_seq
 

@@ -9,6 +9,10 @@ Under grouped-query attention the cache holds key/value heads: each keeps ``S = 
 widest window ``W`` of the query heads that read it (``window_math.kv_group_windows``), and a query head whose own
 window is narrower reads only the slots of its newest ``W`` positions (a mask on the slots' age).
 
+With an attention sink (``GPT.sink``, ``model.aah.sink``) a head also keeps the first ``sink`` positions, never evicted:
+``min(sink, max_len - S)`` fixed slots before its ring (a position the ring still holds is read there; once the ring
+has moved past it, from its fixed slot), so a head keeps ``sink + W`` positions (at most ``max_len``).
+
 Both run the model's own forward (``GPT.forward``) with plans of this module in place of the training ones (the plan
 contract: model/attention/registry.py); the block is written once.
 
@@ -89,26 +93,40 @@ class _Group:
     queries: Tensor | None  # the query heads that read them; None = all of them, in order
     windows: Tensor  # [queries] the query heads' windows
     narrowest: int  # the smallest of them: below ``slots``, some query head reads only part of the ring
-    slots: int
-    k: Tensor | None = None
+    slots: int  # the ring's slots
+    sink: int = 0  # fixed slots before the ring: positions 0 .. sink - 1
+    k: Tensor | None = None  # [B, heads, sink + slots, D]
     v: Tensor | None = None
 
 
-def slot_counts(windows, max_len: int, n_kv_head: int | None = None) -> list[list[int]]:
-    """Ring-buffer slots per layer and key/value head: ``min(W, max_len)``, with ``W`` the widest window of the query
-    heads that read the key/value head (``n_kv_head`` None: one per query head, its own window)."""
+def sink_slots(slots: int, max_len: int, sink: int) -> int:
+    """Fixed slots of the first positions beside a ring of ``slots``: those the ring moves past before ``max_len``."""
+    return min(sink, max(0, max_len - slots))
+
+
+def slot_counts(windows, max_len: int, n_kv_head: int | None = None, sink: int = 0) -> list[list[int]]:
+    """Slots per layer and key/value head: ``min(W, max_len)`` in the ring, with ``W`` the widest window of the query
+    heads that read the key/value head (``n_kv_head`` None: one per query head, its own window), plus the attention
+    sink's fixed slots: ``min(sink + W, max_len)`` in all."""
     if n_kv_head is not None:
         windows = kv_group_windows(windows, n_kv_head).tolist()
-    return [[min(int(w), max_len) for w in row] for row in windows]
+    rings = [[min(int(w), max_len) for w in row] for row in windows]
+    return [[s + sink_slots(s, max_len, sink) for s in row] for row in rings]
 
 
 def cache_bytes(
-    windows, max_len: int, head_dim: int, batch: int = 1, dtype=torch.float32, n_kv_head: int | None = None
+    windows,
+    max_len: int,
+    head_dim: int,
+    batch: int = 1,
+    dtype=torch.float32,
+    n_kv_head: int | None = None,
+    sink: int = 0,
 ) -> int:
-    """Bytes of the window cache: sum over layers and key/value heads of ``min(W, T)`` x D x 2 (keys, values) x dtype
-    size (``W``: the widest window of the key/value head's query heads)."""
+    """Bytes of the window cache: sum over layers and key/value heads of ``min(sink + W, T)`` x D x 2 (keys, values)
+    x dtype size (``W``: the widest window of the key/value head's query heads)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(map(sum, slot_counts(windows, max_len, n_kv_head))) * head_dim * 2 * size * batch
+    return sum(map(sum, slot_counts(windows, max_len, n_kv_head, sink))) * head_dim * 2 * size * batch
 
 
 def full_cache_bytes(
@@ -124,10 +142,10 @@ class WindowKVCache:
     count."""
 
     def __init__(self, model: GPT, batch: int, max_len: int):
-        self.max_len = max_len
+        self.max_len, self.sink = max_len, model.sink
         rows = model.planner.rows(model.windows)
         n_head, n_kv = model.cfg.n_head, model.cfg.kv_heads
-        self.slots = slot_counts(rows, max_len, n_kv)
+        self.slots = slot_counts(rows, max_len, n_kv)  # the rings; the sink's fixed slots come on top
         device = model.windows.device
         per_kv = n_head // n_kv
         self.layers: list[list[_Group]] = []
@@ -145,6 +163,7 @@ class WindowKVCache:
                         windows,
                         min(row[h] for h in queries),
                         s,
+                        sink_slots(s, max_len, model.sink),
                     )
                 )
             self.layers.append(groups)
@@ -166,9 +185,13 @@ class WindowKVCache:
         B, _, _, D = k.shape
         for g in self.layers[layer]:
             heads = slice(None) if g.heads is None else g.heads
-            g.k, g.v = (x.new_empty(B, x.shape[1] if g.heads is None else len(g.heads), g.slots, D) for x in (k, v))
+            shape = (B, k.shape[1] if g.heads is None else len(g.heads), g.sink + g.slots, D)
+            g.k, g.v = k.new_zeros(shape), v.new_zeros(shape)
             for b, n in enumerate(lengths):
-                for ring, x in ((g.k, k), (g.v, v)):
+                for cache, x in ((g.k, k), (g.v, v)):
+                    first = min(g.sink, n)  # the sink's fixed slots: positions 0 .. sink - 1
+                    cache[b, :, :first] = x[b, heads, :first]
+                    ring = cache[:, :, g.sink :]
                     if n <= g.slots:
                         ring[b, :, :n] = x[b, heads, :n]
                         ring[b, :, n:] = 0
@@ -187,15 +210,24 @@ class WindowKVCache:
         for g in groups:
             kg, vg = (x if g.heads is None else x.index_select(1, g.heads) for x in (k, v))
             qg = q if g.queries is None else q.index_select(1, g.queries)
-            slot = torch.remainder(self.positions, g.slots)
+            slot = g.sink + torch.remainder(self.positions, g.slots)
             g.k[rows, :, slot] = kg[:, :, 0]
             g.v[rows, :, slot] = vg[:, :, 0]
+            if self.min_position < g.sink:  # a row still at a sink position (a short prompt): its fixed slot too
+                first = (self.positions < g.sink).nonzero().flatten()
+                g.k[first, :, self.positions[first]] = kg[first, :, 0]
+                g.v[first, :, self.positions[first]] = vg[first, :, 0]
             mask = None
-            # Some row has not filled every slot yet, or some query head sees fewer positions than the ring holds.
-            if self.min_position < g.slots - 1 or g.narrowest < g.slots:
+            # Some row has not filled every slot yet, some query head sees fewer positions than the ring holds, or
+            # the model has a sink (the ring shows sink positions to every head; fixed slots once the ring passed).
+            if self.min_position < g.slots - 1 or g.narrowest < g.slots or self.sink:
                 position = self.positions.view(B, 1, 1, 1)
                 age = torch.remainder(position - torch.arange(g.slots, device=q.device), g.slots)  # [B, 1, 1, S]
-                mask = (age <= position) & (age < g.windows)  # reached, and within the query head's window
+                # reached, and within the query head's window or (a sink position still in the ring) a sink
+                mask = (age <= position) & ((age < g.windows) | (position - age < self.sink))
+                if g.sink:
+                    fixed = position - torch.arange(g.sink, device=q.device) >= g.slots  # the ring moved past it
+                    mask = torch.cat([fixed.expand(B, 1, 1, g.sink).expand(-1, mask.shape[1], -1, -1), mask], -1)
             y = F.scaled_dot_product_attention(qg, g.k, g.v, attn_mask=mask, enable_gqa=qg.shape[1] != g.k.shape[1])
             if out is None:
                 return y

@@ -7,7 +7,8 @@ attention (``n_kv_head``), SwiGLU, RMSNorm, an untied output layer, q/k norm (Qw
 scaling (linear, llama3).
 
 The window table ``windows: int32[n_layer, n_head]`` is a persistent buffer, so every state_dict and checkpoint
-carries it. Policies and the AAH controller write it in place (``set_windows``); attention plans follow on the next
+carries it. ``sink`` (``model.aah.sink``, given by whoever builds the GPT: the training module from its settings,
+``checkpoint.build_model`` from a checkpoint's) keeps the first positions visible to every windowed head. Policies and the AAH controller write it in place (``set_windows``); attention plans follow on the next
 forward (model/attention/) and nothing recompiles.
 """
 
@@ -220,9 +221,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, sink: int = 0):
         super().__init__()
         self.cfg = cfg
+        # The attention sink: not a buffer, so the one copy of the value is model.aah.sink in the run's settings and
+        # in every checkpoint's hyperparameters (docs/architecture.md, "Attention sinks").
+        self.sink = int(sink)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, cfg.n_embd)
@@ -259,7 +263,7 @@ class GPT(nn.Module):
         needs_grad = torch.is_grad_enabled()
         name = resolve_backend(backend or self.cfg.backend, self.windows.device, needs_grad, seq_len)
         docs = doc_ids if self.cfg.document_mask else None
-        return self.planner.plans(self.windows, seq_len, name, docs)
+        return self.planner.plans(self.windows, seq_len, name, docs, self.sink)
 
     def forward(
         self,

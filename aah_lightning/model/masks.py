@@ -1,8 +1,9 @@
 """The attention mask of one layer, in every form the backends need.
 
-``window_mask_mod`` is the single source of truth: query ``q`` may attend to key ``kv`` iff
-``0 <= q - kv < W[h]`` (and, with document masking, both belong to the same document). Every other form here is
-derived from it or checked against it in the tests:
+``window_mask_mod`` is the single source of truth: query ``q`` may attend to key ``kv`` iff ``kv <= q`` and
+(``q - kv < W[h]`` or ``kv`` is one of the first ``sink`` positions: an attention sink), and, with document masking,
+both belong to the same document (the sink is then the first ``sink`` positions of the query's own document). Every
+other form here is derived from it or checked against it in the tests:
 
 * ``dense_mask``      evaluates the mask_mod on broadcast index grids -> bool ``[B, H, T, T]`` (SDPA, reference);
 * ``window_block_mask`` builds the FlexAttention ``BlockMask`` in closed form from the window row (sliding windows
@@ -23,26 +24,56 @@ from aah_lightning.model.window_math import TileCounts, causal_tiles, window_til
 _DOC_PAD = 256
 
 
-def window_mask_mod(windows_row: Tensor, doc_ids: Tensor | None = None):
-    """The mask_mod of one layer: causal, within the head's window, optionally within the document.
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """Each token's position within its own document (``[B, T]`` int64): how many earlier tokens of its row share its
+    document id (``t - start`` for documents packed as contiguous runs)."""
+    B, T = doc_ids.shape
+    order = torch.argsort(doc_ids, dim=-1, stable=True)
+    ids = doc_ids.gather(-1, order)
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=-1).values
+    return torch.empty_like(idx).scatter_(-1, order, idx - start)
+
+
+def window_mask_mod(windows_row: Tensor, doc_ids: Tensor | None = None, sink: int = 0):
+    """The mask_mod of one layer: causal, within the head's window or among the first ``sink`` positions, optionally
+    within the document.
 
     ``windows_row`` is the layer's row of the window table (int32 ``[H]``), captured as a tensor so that new window
-    values never trigger a recompile. ``doc_ids`` is ``[B, T]`` (any integer dtype) or None.
+    values never trigger a recompile. ``doc_ids`` is ``[B, T]`` (any integer dtype) or None. ``sink`` (an int >= 0):
+    the first ``sink`` positions of the sequence (with ``doc_ids``: of the query's document) stay visible to every
+    later query of every head; 0 is the plain window.
     """
 
     def causal_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < windows_row[h])
 
+    def causal_window_sink(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx < windows_row[h]) | (kv_idx < sink))
+
     if doc_ids is None:
-        return causal_window
+        return causal_window_sink if sink else causal_window
 
     t = doc_ids.shape[-1]
     docs = torch.nn.functional.pad(doc_ids, (0, -t % _DOC_PAD), value=-1)
 
-    def causal_window_same_document(b, h, q_idx, kv_idx):
-        return causal_window(b, h, q_idx, kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+    if not sink:
 
-    return causal_window_same_document
+        def causal_window_same_document(b, h, q_idx, kv_idx):
+            return causal_window(b, h, q_idx, kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+        return causal_window_same_document
+
+    # Padded positions are never a sink (their position is ``sink``).
+    ranks = torch.nn.functional.pad(document_positions(doc_ids), (0, -t % _DOC_PAD), value=sink)
+
+    def causal_window_sink_same_document(b, h, q_idx, kv_idx):
+        near = q_idx - kv_idx < windows_row[h]
+        return (kv_idx <= q_idx) & (near | (ranks[b, kv_idx] < sink)) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    return causal_window_sink_same_document
 
 
 def dense_mask(mask_mod, batch: int, heads: int, seq_len: int, device) -> Tensor:
@@ -63,14 +94,15 @@ def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return counts, order
 
 
-def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128) -> BlockMask:
-    """BlockMask for one layer (B=1 broadcast over the batch, H = number of heads), built analytically.
+def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128, sink: int = 0) -> BlockMask:
+    """BlockMask for one layer (B=1 broadcast over the batch, H = number of heads), built analytically (a ``sink``
+    adds the first kv tile column(s) of every windowed head: partial, or full where every pair is visible).
 
     Both orientations come from the closed-form tile classes: kv tiles per q tile (forward) and q tiles per kv tile
     (the transpose, used by the backward). ``BlockMask.from_kv_blocks`` would derive the latter with a vmapped
     scatter that costs far more than everything else here (docs/benchmarks.md).
     """
-    partial, full = (t.unsqueeze(0) for t in window_tiles(windows_row, seq_len, block_size))
+    partial, full = (t.unsqueeze(0) for t in window_tiles(windows_row, seq_len, block_size, sink))
     kv_num, kv_idx = _ordered(partial)
     full_kv_num, full_kv_idx = _ordered(full)
     q_num, q_idx = _ordered(partial.transpose(-2, -1))
@@ -86,14 +118,14 @@ def window_block_mask(windows_row: Tensor, seq_len: int, block_size: int = 128) 
         full_q_num_blocks=full_q_num,
         full_q_indices=full_q_idx,
         BLOCK_SIZE=(block_size, block_size),
-        mask_mod=window_mask_mod(windows_row),
+        mask_mod=window_mask_mod(windows_row, sink=sink),
     )
 
 
 _compiled_create_block_mask = None
 
 
-def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 128) -> BlockMask:
+def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 128, sink: int = 0) -> BlockMask:
     """BlockMask for one layer when document ids (per batch) join the mask: built from the mask_mod itself."""
     global _compiled_create_block_mask
     build = create_block_mask
@@ -102,7 +134,7 @@ def document_block_mask(windows_row: Tensor, doc_ids: Tensor, block_size: int = 
             _compiled_create_block_mask = torch.compile(create_block_mask)
         build = _compiled_create_block_mask
     batch, seq_len = doc_ids.shape
-    mask_mod = window_mask_mod(windows_row, doc_ids)
+    mask_mod = window_mask_mod(windows_row, doc_ids, sink)
     return build(mask_mod, batch, windows_row.numel(), seq_len, seq_len, device=doc_ids.device, BLOCK_SIZE=block_size)
 
 

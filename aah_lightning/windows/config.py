@@ -182,7 +182,7 @@ class BudgetConfig:
             return "causal_coverage", float(self.target_causal_coverage)
         return None
 
-    def validate(self, key: str, candidates: list[int], seq_len: int) -> None:
+    def validate(self, key: str, candidates: list[int], seq_len: int, sink: int = 0) -> None:
         if self.target_acr is not None and self.target_causal_coverage is not None:
             raise ConfigError(
                 f"{key}target_acr={self.target_acr!r} and {key}target_causal_coverage="
@@ -192,7 +192,7 @@ class BudgetConfig:
             budget = getattr(self, name)
             if budget is None:
                 continue
-            smallest = float(window_costs(candidates, seq_len, measure)[0])
+            smallest = float(window_costs(candidates, seq_len, measure, sink)[0])
             require(
                 smallest <= budget <= 1,
                 key + name,
@@ -443,7 +443,7 @@ class ControllerConfig:
             move_flat_setting("model.aah.controller", key, value, [(block, getattr(self, block), name, default)], 3)
             setattr(self, key, None)
 
-    def validate(self, candidates: list[int], seq_len: int, n_head: int) -> None:
+    def validate(self, candidates: list[int], seq_len: int, n_head: int, sink: int = 0) -> None:
         key = "model.aah.controller."
         self.need.validate(key + "need.")
         if self.need.signal == "retrieval":  # a probe holds the span and its copy
@@ -455,7 +455,7 @@ class ControllerConfig:
             )
         self.groups.validate(key + "groups.", n_head)
         self.allocation.validate(key + "allocation.")
-        self.budget.validate(key + "budget.", candidates, seq_len)
+        self.budget.validate(key + "budget.", candidates, seq_len, sink)
         self.reach.validate(key + "reach.", candidates, n_head, self.budget.target() is not None)
         self.settle.validate(key + "settle.")
         self.schedule.validate(key + "schedule.")
@@ -550,6 +550,10 @@ class AAHConfig:
         candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
         seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
             ``paper`` allocator networks, and of the ``shuffle`` permutations).
+        sink: attention sink: the first ``sink`` positions of the sequence (with ``model.gpt.document_mask``, of each
+            query's document) stay visible to every head whose window does not cover the sequence, whatever its
+            window (StreamingLLM's sink tokens; pretrained models need a few, docs/retrofit.md). 0 (default): none.
+            One value for the whole model; ACR, causal coverage and the controller's budget count its pairs.
         fixed: settings of the ``fixed`` policy (``FixedConfig``).
         static: settings of the ``static`` policy (``StaticConfig``).
         random: settings of the ``random`` policy (``RandomConfig``).
@@ -567,6 +571,7 @@ class AAHConfig:
     policy: str = "full"
     candidates: Optional[list[int]] = None
     seed: int = 0
+    sink: int = 0
     fixed: FixedConfig = field(default_factory=FixedConfig)
     static: StaticConfig = field(default_factory=StaticConfig)
     random: RandomConfig = field(default_factory=RandomConfig)
@@ -599,6 +604,14 @@ class AAHConfig:
         out["controller"] = {k: v for k, v in out["controller"].items() if k not in FLAT_CONTROLLER_SETTINGS}
         return out
 
+    def validate_sink(self) -> None:
+        require(
+            isinstance(self.sink, int) and not isinstance(self.sink, bool) and self.sink >= 0,
+            "model.aah.sink",
+            self.sink,
+            "an integer >= 0 (the first positions every windowed head keeps; 0 = none)",
+        )
+
     def resolved_candidates(self, seq_len: int) -> list[int]:
         if self.candidates is None:
             return sorted({max(1, seq_len // 8), max(1, seq_len // 4), max(1, seq_len // 2), seq_len})
@@ -606,6 +619,7 @@ class AAHConfig:
 
     def validate(self, seq_len: int, n_layer: int, n_head: int) -> None:
         """The shared settings, then the chosen policy's own (``WindowPolicy.validate``)."""
+        self.validate_sink()
         policy = policy_class(self.policy)
         cands = self.resolved_candidates(seq_len)
         require(len(cands) > 0, "model.aah.candidates", self.candidates, "a non-empty list of window sizes")

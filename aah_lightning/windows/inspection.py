@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 
 from aah_lightning.atomic import atomic_write_text
-from aah_lightning.checkpoint import GLOBAL_STEP_KEY, POLICY_KEY, hyperparameters, read_checkpoint, window_table
+from aah_lightning.checkpoint import (
+    GLOBAL_STEP_KEY,
+    POLICY_KEY,
+    hyperparameters,
+    read_checkpoint,
+    sink_setting,
+    window_table,
+)
 from aah_lightning.errors import ConfigError
 from aah_lightning.windows import metrics, plots
 from aah_lightning.windows.config import AAHConfig
@@ -43,6 +50,7 @@ def load(path) -> dict:
         "block_size": gpt.get("block_size", 128),
         "policy": aah.get("policy", "?"),
         "candidates": aah.get("candidates"),
+        "sink": sink_setting(ckpt),
         "report": policy_report(aah, ckpt.get(POLICY_KEY) or {}, gpt.get("seq_len")),
         "step": ckpt.get(GLOBAL_STEP_KEY),
     }
@@ -61,12 +69,13 @@ def policy_report(aah: dict, state: dict, seq_len: int | None) -> PolicyReport:
 def report(info: dict, seq_len: int, block_size: int) -> str:
     table = info["table"]
     trees = info["report"].trees
-    acr, cov = metrics.layer_acr(table, seq_len), metrics.layer_causal_coverage(table, seq_len)
-    dens = metrics.layer_block_density(table, seq_len, block_size)
+    sink = info.get("sink", 0)
+    acr, cov = metrics.layer_acr(table, seq_len, sink), metrics.layer_causal_coverage(table, seq_len, sink)
+    dens = metrics.layer_block_density(table, seq_len, block_size, sink)
     width = max(len(str(int(w))) for w in table.flatten())
     lines = [
         f"step {info['step']}, policy {info['policy']}, T={seq_len}, {table.shape[0]} layers x {table.shape[1]} heads, "
-        f"tiles of {block_size}",
+        f"tiles of {block_size}" + (f", attention sink {sink}" if sink else ""),
         "",
         "window table (per layer: ACR, causal coverage, block density)",
     ]
@@ -77,9 +86,9 @@ def report(info: dict, seq_len: int, block_size: int) -> str:
         )
     lines += [
         "",
-        f"model: ACR {float(metrics.acr(table, seq_len)):.4f}, causal coverage "
-        f"{float(metrics.causal_coverage(table, seq_len)):.4f}, block density "
-        f"{float(metrics.block_density(table, seq_len, block_size)):.4f}",
+        f"model: ACR {float(metrics.acr(table, seq_len, sink)):.4f}, causal coverage "
+        f"{float(metrics.causal_coverage(table, seq_len, sink)):.4f}, block density "
+        f"{float(metrics.block_density(table, seq_len, block_size, sink)):.4f}",
     ]
     candidates = info["candidates"] or AAHConfig().resolved_candidates(seq_len)
     shares = [f"W={w} {float((table == w).double().mean()):.1%}" for w in metrics.fraction_windows(table, candidates)]
@@ -123,8 +132,8 @@ def write_files(info: dict, out: Path, seq_len: int, block_size: int, mask=None)
     table = info["table"]
     write_csv(out / "windows.csv", table, info["report"].trees)
     title = (
-        f"step {info['step']}, policy {info['policy']}: ACR {float(metrics.acr(table, seq_len)):.3f}, "
-        f"causal coverage {float(metrics.causal_coverage(table, seq_len)):.3f}"
+        f"step {info['step']}, policy {info['policy']}: ACR {float(metrics.acr(table, seq_len, info.get('sink', 0))):.3f}, "
+        f"causal coverage {float(metrics.causal_coverage(table, seq_len, info.get('sink', 0))):.3f}"
     )
     candidates = info["candidates"] or AAHConfig().resolved_candidates(seq_len)
     plots.save_png(plots.window_map_figure(table, seq_len, candidates, title), out / "window_map.png")

@@ -2,9 +2,12 @@
 
 Model-wide values are pure tensor math with no host syncs:
 
-* ACR (the paper's definition, kept exactly): mean over (layer, head) of ``min(W, T) / T``.
+* ACR (the paper's definition, kept exactly without a sink): mean over (layer, head) of ``min(W, T) / T``. An
+  attention sink of S positions adds its pairs, ``sink_pairs(W, S, T) / T^2`` per head (``window_math.sink_pairs``):
+  ``min(W, T) / T`` is a head's ``min(W, T) * T`` key slots over the ``T^2`` of the score matrix, and the sink adds
+  as many slots as it adds pairs.
 * causal coverage: allowed causal pairs / all causal pairs, ``pairs(W, T) = W(W+1)/2 + (T-W)W`` for ``W <= T``
-  over ``T(T+1)/2`` - the work a perfect kernel does.
+  (plus the sink's pairs) over ``T(T+1)/2`` - the work a perfect kernel does.
 * block density: non-empty tiles of the BlockMask / causal tiles - the work FlexAttention does.
 * window fractions: share of heads on each candidate window.
 
@@ -33,18 +36,37 @@ if TYPE_CHECKING:  # type hints only: the controller imports this module
 __all__ = ["acr", "block_density", "causal_coverage", "causal_pairs"]
 
 
-def acr(windows: Tensor, seq_len: int) -> Tensor:
-    """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len``."""
-    return (torch.clamp(windows.to(torch.float64), max=seq_len) / seq_len).mean()
+def head_acr(windows: Tensor, seq_len: int, sink: int = 0) -> Tensor:
+    """Each head's ACR (float64, the table's shape): ``min(W, T) / T``, plus ``sink_pairs(W, S, T) / T^2``."""
+    w = torch.clamp(windows.to(torch.float64), max=seq_len)
+    if not sink:
+        return w / seq_len
+    return w / seq_len + (causal_pairs(windows, seq_len, sink) - causal_pairs(windows, seq_len)) / seq_len**2
+
+
+def acr(windows: Tensor, seq_len: int, sink: int = 0) -> Tensor:
+    """Attention coverage ratio of a window table ``[..., H]`` at sequence length ``seq_len`` (with the model's
+    attention sink: its pairs counted)."""
+    return head_acr(windows, seq_len, sink).mean()
+
+
+def usage_head_acr(usage, seq_len: int) -> Tensor:
+    """Each head's ACR averaged over a run (``[L, H]`` float64) from its window usage (``WindowUsage.state_dict()``,
+    in checkpoints): ``window_sum / (steps T)``, plus ``sink_sum / (steps T^2)`` when the run had an attention sink."""
+    steps = int(usage["steps"])
+    head = usage["window_sum"].to(torch.float64) / (steps * seq_len)
+    if usage.get("sink_sum") is not None:
+        head = head + usage["sink_sum"].to(torch.float64) / (steps * seq_len**2)
+    return head
 
 
 # -- per-layer values of a table ----------------------------------------------------------------------------------
-def layer_acr(table: Tensor, seq_len: int) -> list[float]:
-    return [float(acr(row, seq_len)) for row in table]
+def layer_acr(table: Tensor, seq_len: int, sink: int = 0) -> list[float]:
+    return [float(acr(row, seq_len, sink)) for row in table]
 
 
-def layer_causal_coverage(table: Tensor, seq_len: int) -> list[float]:
-    return [float(causal_coverage(row, seq_len)) for row in table]
+def layer_causal_coverage(table: Tensor, seq_len: int, sink: int = 0) -> list[float]:
+    return [float(causal_coverage(row, seq_len, sink)) for row in table]
 
 
 def layer_distinct_windows(table: Tensor, seq_len: int) -> list[int]:
@@ -58,12 +80,14 @@ def layer_window_spread(table: Tensor, seq_len: int) -> list[float]:
     return [float(torch.log2(row.max() / row.min())) for row in clipped]
 
 
-def layer_block_density(table: Tensor, seq_len: int, block_size: int) -> list[float]:
+def layer_block_density(table: Tensor, seq_len: int, block_size: int, sink: int = 0) -> list[float]:
     """Analytic non-empty tiles / causal tiles per layer: what a BlockMask of the table visits."""
-    return [float(block_density(row.view(1, -1), seq_len, block_size)) for row in table]
+    return [float(block_density(row.view(1, -1), seq_len, block_size, sink)) for row in table]
 
 
-def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size: int) -> tuple[list[float], list[str]]:
+def plan_block_density(
+    plans: Sequence, table: Tensor, seq_len: int, block_size: int, sink: int = 0
+) -> tuple[list[float], list[str]]:
     """Block density per layer from the plans a forward used, and where each value came from.
 
     Each plan reports its own tiles (``Plan.tile_counts``): counted on the BlockMask its kernel ran with
@@ -72,7 +96,9 @@ def plan_block_density(plans: Sequence, table: Tensor, seq_len: int, block_size:
     analytic count of the table's row.
     """
     counts = [
-        window_math.tile_counts(table[layer], seq_len, block_size) if plan is None else plan.tile_counts(block_size)
+        window_math.tile_counts(table[layer], seq_len, block_size, sink)
+        if plan is None
+        else plan.tile_counts(block_size)
         for layer, plan in enumerate(plans)
     ]
     return [c.density for c in counts], [c.source for c in counts]
@@ -137,11 +163,12 @@ def _tree_lines(tree: GroupTree, row: list[int], level: int, group: int, depth: 
             _tree_lines(tree, row, level - 1, child, depth + 1, lines)
 
 
-def window_costs(candidates: list[int], seq_len: int, measure: str) -> Tensor:
-    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``)."""
+def window_costs(candidates: list[int], seq_len: int, measure: str, sink: int = 0) -> Tensor:
+    """Compute of one head per candidate window: its ACR (``acr``) or causal coverage (``causal_coverage``), the
+    attention sink's pairs included."""
     w = torch.tensor(candidates, dtype=torch.float64)
     if measure == "acr":
-        return torch.clamp(w, max=seq_len) / seq_len
+        return head_acr(w, seq_len, sink)
     if measure == "causal_coverage":
-        return causal_pairs(w, seq_len) / (seq_len * (seq_len + 1) / 2)
+        return causal_pairs(w, seq_len, sink) / (seq_len * (seq_len + 1) / 2)
     raise ValueError(f"unknown budget measure {measure!r}")

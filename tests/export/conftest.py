@@ -35,12 +35,21 @@ def hf_offline(tmp_path_factory, monkeypatch):
 
 
 def random_window_module(
-    seed: int = 0, n_layer: int = 3, n_head: int = 4, n_embd: int = 32, seq_len: int = 64, table=None, noise=0.3
+    seed: int = 0,
+    n_layer: int = 3,
+    n_head: int = 4,
+    n_embd: int = 32,
+    seq_len: int = 64,
+    table=None,
+    noise=0.3,
+    sink: int = 0,
 ) -> AAHModule:
     """A tiny byte-vocabulary model with a window table drawn per head from 1..seq_len+8 (or ``table``), and weights
-    pushed away from their initialisation so that greedy text is varied (ties in argmax would prove nothing)."""
+    pushed away from their initialisation so that greedy text is varied (ties in argmax would prove nothing);
+    ``sink``: its ``model.aah.sink``."""
     torch.manual_seed(seed)
-    module = AAHModule(gpt=GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=257))
+    gpt = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len, vocab_size=257)
+    module = AAHModule(gpt=gpt, aah={"sink": sink})
     if table is None:
         g = torch.Generator().manual_seed(seed + 1)
         table = torch.randint(1, seq_len + 9, (n_layer, n_head), generator=g, dtype=torch.int32)

@@ -169,6 +169,15 @@ def test_the_kv_saving_is_the_window_caches_bytes_computed_by_hand():
         cache, _ = gen.prefill(model, [list(range(1, 49))], max_new_tokens=16)
         assert cache.nbytes == kv.window * 64
     assert kv_group_windows(KV_TABLE, 2).tolist() == [[8, 64], [64, 4]]
+    # an attention sink of 4: each windowed head keeps 4 positions more (at most the 64 of the context):
+    # 8+12+64+20 + 64+8+8+8 = 192 positions -> 192 B
+    gpt = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=64)
+    kv = model_card.kv_saving(torch.tensor(KV_TABLE), gpt, sink=4)
+    assert (kv.window, kv.full) == (192, 512)
+    model = AAHModule(gpt=gpt, aah={"sink": 4}).model
+    model.set_windows(KV_TABLE)
+    cache, _ = gen.prefill(model, [list(range(1, 49))], max_new_tokens=16)
+    assert cache.nbytes == kv.window * 64
 
 
 def test_the_card_states_acr_and_kv_saving_of_a_gqa_export(exported):

@@ -23,13 +23,15 @@ def load(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
 
 
-def test_logits_equal_aah_with_random_windows_shorter_than_the_prompt(exported, make_module):
-    module = make_module(seed=0, seq_len=64)
+@pytest.mark.parametrize("sink", [0, 3])
+def test_logits_equal_aah_with_random_windows_shorter_than_the_prompt(exported, make_module, sink):
+    module = make_module(seed=0, seq_len=64, sink=sink)
     windows = module.model.windows
     assert int(windows.min()) == 1 and (windows < 40).sum() >= 3 and (windows >= 64).any()  # short and full heads
-    hf = load(exported(module))
+    folder = exported(module)
+    hf = load(folder)
     assert type(hf).__name__ == "AAHForCausalLM" and hf.dtype == torch.float32
-    assert hf.config.windows == windows.tolist()
+    assert hf.config.windows == windows.tolist() and hf.config.sink == sink
     ids = torch.randint(0, 257, (3, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = hf(ids).logits
@@ -39,10 +41,24 @@ def test_logits_equal_aah_with_random_windows_shorter_than_the_prompt(exported, 
         # A head's window matters: the same weights with every window full give other logits.
         full = make_module(seed=0, seq_len=64, table=torch.full((3, 4), 64)).model(ids)
         assert (full - got).abs().max().item() > 1e-2
+        # ... and so does the sink: the same model with another one gives other logits
+        other = make_module(seed=0, seq_len=64, sink=3 - sink, table=windows).model(ids)
+        assert (other - got).abs().max().item() > 1e-3
+    if not sink:  # an export written before the config had a sink loads as one without
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        del config["sink"]
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+        old = load(folder)
+        assert old.config.sink == 0
+        with torch.no_grad():
+            assert torch.equal(old(ids).logits, got)
 
 
-def test_incremental_decoding_with_a_cache_equals_one_forward(exported, make_module):
-    hf = load(exported(make_module(seed=1)))
+@pytest.mark.parametrize("sink", [0, 4])
+def test_incremental_decoding_with_a_cache_equals_one_forward(exported, make_module, sink):
+    hf = load(exported(make_module(seed=1, sink=sink)))
     ids = torch.randint(0, 257, (2, 90), generator=torch.Generator().manual_seed(1))  # past the trained T = 64
     with torch.no_grad():
         whole = hf(ids, use_cache=False).logits

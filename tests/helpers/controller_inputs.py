@@ -56,10 +56,12 @@ def controller_settings(**settings) -> ControllerConfig:
     return ControllerConfig(**blocks)
 
 
-def adaptive(n_layer: int, n_head: int, seq_len: int, candidates, **controller) -> AdaptivePolicy:  # noqa: F821
+def adaptive(n_layer: int, n_head: int, seq_len: int, candidates, sink=0, **controller) -> AdaptivePolicy:  # noqa: F821
     settings = dict(warmup_steps=0, control_interval=1)
     settings.update(controller)
-    cfg = AAHConfig(policy="adaptive", candidates=list(candidates), controller=controller_settings(**settings))
+    cfg = AAHConfig(
+        policy="adaptive", candidates=list(candidates), sink=sink, controller=controller_settings(**settings)
+    )
     return make_policy(cfg, n_layer, n_head, seq_len)
 
 

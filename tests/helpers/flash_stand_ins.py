@@ -2,7 +2,10 @@
 semantics: ``flash_varlen_emulation`` for torch's ``varlen_attn`` (the ``varlen`` backend), and the two functions of
 flash-attn-4 that ``fa4_window`` calls (``_flash_attn_fwd``, ``_flash_attn_bwd`` of ``flash_attn.cute.interface``): ``[B, T, H, D]`` or varlen
 ``[tokens, H, D]`` layouts, query i sees keys ``i - left .. i + right`` and none after i when causal, the log-sum-exp
-``[B, H, T]`` / ``[H, tokens]``. ``install(monkeypatch)`` puts it where ``fa4_window`` imports it from."""
+``[B, H, T]`` / ``[H, tokens]`` (float32, float64 for float64 inputs); the backward recomputes the probabilities from
+the log-sum-exp it is handed, as FlashAttention's does. ``install(monkeypatch)`` puts it where ``fa4_window`` imports
+it from; ``varlen_forward`` / ``varlen_backward`` stand in for the ``varlen`` backend's kernel calls of torch's
+FlashAttention ops (``install_varlen``)."""
 
 from __future__ import annotations
 
@@ -86,9 +89,10 @@ def _flash_attn_fwd(
             p, lse, _ = _probs(qq[a:b], kk[a:b], causal, window_size_left, window_size_right, softmax_scale)
             outs.append(torch.einsum("hqk,khd->qhd", p, vv[a:b]))
             lses.append(lse)
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
     if batched:
-        return torch.stack(outs), torch.stack(lses).float(), None, None, None
-    return torch.cat(outs), torch.cat(lses, -1).float(), None, None, None
+        return torch.stack(outs), torch.stack(lses).to(lse_dtype), None, None, None
+    return torch.cat(outs), torch.cat(lses, -1).to(lse_dtype), None, None, None
 
 
 def _flash_attn_bwd(
@@ -113,12 +117,13 @@ def _flash_attn_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batched = cu_seqlens_q is None
     for r in range(q.shape[0]) if batched else [None]:
-        row_q, row_k, row_v, row_o, row_do, row_dq, row_dk, row_dv = (
-            x if r is None else x[r] for x in (q, k, v, out, dout, dq, dk, dv)
+        row_q, row_k, row_v, row_o, row_do, row_dq, row_dk, row_dv, row_lse = (
+            x if r is None else x[r] for x in (q, k, v, out, dout, dq, dk, dv, lse)
         )
         for a, b in _sequences(cu_seqlens_q, row_q.shape[0]):
             qq, kk, vv, oo, do = (x[a:b] for x in (row_q, row_k, row_v, row_o, row_do))
-            p, _, scale = _probs(qq, kk, causal, window_size_left, window_size_right, softmax_scale)
+            p, own, scale = _probs(qq, kk, causal, window_size_left, window_size_right, softmax_scale)
+            p = p * torch.exp(own - row_lse[:, a:b].to(own.dtype)).unsqueeze(-1)  # exp(s - lse) of the lse handed in
             dp = torch.einsum("qhd,khd->hqk", do, vv)
             ds = p * (dp - (do * oo).sum(-1).transpose(0, 1).unsqueeze(-1))
             row_dv[a:b] = torch.einsum("hqk,qhd->khd", p, do)
@@ -136,3 +141,31 @@ def install(monkeypatch) -> list[tuple]:
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     CALLS.clear()
     return CALLS
+
+
+def _fa4_window(window_size):
+    """FlashAttention-2's ``(left, right)`` (-1: unbounded) as FA4's keywords (None: unbounded)."""
+    left, right = window_size
+    return {"window_size_left": None if left < 0 else left, "window_size_right": None if right < 0 else right}
+
+
+def varlen_forward(q, k, v, cu_seqlens, max_len, window_size):
+    """The ``varlen`` backend's forward kernel call (torch's FlashAttention varlen op): ``(out, lse [H, tokens])``."""
+    out, lse, *_ = _flash_attn_fwd(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, return_lse=True, **_fa4_window(window_size)
+    )
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_len, window_size):
+    """The ``varlen`` backend's backward kernel call: ``(dq, dk, dv)`` from the output and log-sum-exp handed in."""
+    return _flash_attn_bwd(
+        q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, **_fa4_window(window_size)
+    )
+
+
+def install_varlen(monkeypatch, varlen_module) -> None:
+    """The ``varlen`` backend's kernels on the CPU: ``varlen_attn`` and the two calls its sink path makes."""
+    monkeypatch.setattr(varlen_module, "varlen_attn", flash_varlen_emulation)
+    monkeypatch.setattr(varlen_module, "kernel_forward", varlen_forward)
+    monkeypatch.setattr(varlen_module, "kernel_backward", varlen_backward)

@@ -1,4 +1,4 @@
-"""Every attention backend against the float64 dense reference, with random per-head windows."""
+"""Every attention backend against the float64 dense reference, with random per-head windows and attention sinks."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from aah_lightning.model.attention import AttentionPlanner, BackendUnavailable, 
 from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
-from helpers.spec import random_windows
+from helpers.spec import random_sink, random_windows
 
 SEQ_LENS = [1, 7, 130, 257]
 
@@ -17,19 +17,21 @@ def qkv(seq_len, heads=5, dim=16, batch=2, dtype=torch.float64, seed=0):
     return [torch.randn(batch, heads, seq_len, dim, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
 
 
-def run_backend(backend, q, k, v, windows, doc_ids=None):
+def run_backend(backend, q, k, v, windows, doc_ids=None, sink=0):
     table = windows.view(1, -1)
-    plan = AttentionPlanner(block_size=128).plans(table, q.shape[2], backend, doc_ids)[0]
+    plan = AttentionPlanner(block_size=128).plans(table, q.shape[2], backend, doc_ids, sink)[0]
     return plan(q, k, v)
 
 
+@pytest.mark.parametrize("sink", [0, "random"])
 @pytest.mark.parametrize("seq_len", SEQ_LENS + [512])
-def test_sdpa_matches_reference_forward_and_backward(seq_len):
+def test_sdpa_matches_reference_forward_and_backward(seq_len, sink):
     g = torch.Generator().manual_seed(seq_len)
     w = random_windows(5, seq_len, g)
+    sink = random_sink(seq_len, g) or 2 if sink else 0
     q, k, v = qkv(seq_len)
-    out = run_backend("sdpa", q, k, v, w)
-    ref = reference_attention(q, k, v, w)
+    out = run_backend("sdpa", q, k, v, w, sink=sink)
+    ref = reference_attention(q, k, v, w, sink=sink)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -38,33 +40,37 @@ def test_sdpa_matches_reference_forward_and_backward(seq_len):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def test_sdpa_with_documents_matches_reference():
+@pytest.mark.parametrize("sink", [0, 3])
+def test_sdpa_with_documents_matches_reference(sink):
     q, k, v = qkv(40, heads=3)
     docs = torch.cat([torch.zeros(2, 10), torch.ones(2, 25), torch.full((2, 5), 2.0)], dim=1).long()
     docs[1, :3] = 7  # a different layout in the second sequence
     w = torch.tensor([40, 4, 12], dtype=torch.int32)
-    out = run_backend("sdpa", q, k, v, w, docs)
-    torch.testing.assert_close(out, reference_attention(q, k, v, w, docs), rtol=1e-10, atol=1e-10)
+    out = run_backend("sdpa", q, k, v, w, docs, sink)
+    torch.testing.assert_close(out, reference_attention(q, k, v, w, docs, sink), rtol=1e-10, atol=1e-10)
 
 
-def test_full_window_layers_run_causal_and_match():
+@pytest.mark.parametrize("sink", [0, 4])
+def test_full_window_layers_run_causal_and_match(sink):
     q, k, v = qkv(33)
     w = torch.tensor([33, 40, 1000, 33, 33], dtype=torch.int32)
-    plan = AttentionPlanner().plans(w.view(1, -1), 33, "sdpa")[0]
-    assert plan.kind == "causal"
-    torch.testing.assert_close(plan(q, k, v), reference_attention(q, k, v, w))
+    plan = AttentionPlanner().plans(w.view(1, -1), 33, "sdpa", sink=sink)[0]
+    assert plan.kind == "causal"  # a sink changes nothing for heads that see the whole sequence
+    torch.testing.assert_close(plan(q, k, v), reference_attention(q, k, v, w, sink=sink))
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("seq_len", SEQ_LENS + [1024])
 def test_compiled_flex_forward_matches_reference(seq_len):
-    # Compiled flex on CPU: float32 only, forward only (torch has no CPU backward for it).
+    # Compiled flex on CPU: float32 only, forward only (torch has no CPU backward for it). Each length compiles its
+    # own graph, so each also takes one sink (none at 1 and 257).
     g = torch.Generator().manual_seed(seq_len)
     w = random_windows(5, seq_len, g)
+    sink = {1: 0, 7: 3, 130: 17, 257: 0, 1024: 200}[seq_len]
     q, k, v = (x.detach().float() for x in qkv(seq_len))
     with torch.no_grad():
-        out = run_backend("flex", q, k, v, w)
-    torch.testing.assert_close(out.double(), reference_attention(q, k, v, w), rtol=2e-5, atol=2e-5)
+        out = run_backend("flex", q, k, v, w, sink=sink)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, w, sink=sink), rtol=2e-5, atol=2e-5)
 
 
 def test_flex_training_on_cpu_is_refused_with_advice():

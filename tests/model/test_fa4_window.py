@@ -39,13 +39,14 @@ def test_plan_equals_the_float64_reference_forward_and_backward(stand_in, seed, 
     g = torch.Generator().manual_seed(seed)
     row = torch.randint(1, T + 8, (H,), generator=g).tolist()
     row[1] = row[4] = 9  # two heads share a window: one call for both
+    sink = (0, 3)[seed]  # with a sink: the same calls, in the varlen layout, merged with the sink keys
     doc_ids = None
     if documents:  # contiguous runs, as packing makes them
         doc_ids = torch.tensor([[0] * 20 + [1] * 28, [3] * 5 + [4] * 40 + [5] * 3])
-    plan = get_backend("fa4_window").build(tuple(row), T, doc_ids, device=torch.device("cpu"), block_size=16)
+    plan = get_backend("fa4_window").build(tuple(row), T, doc_ids, device=torch.device("cpu"), block_size=16, sink=sink)
     q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     ours = plan(q, k, v)
-    want = reference_attention(q, k, v, row, doc_ids)
+    want = reference_attention(q, k, v, row, doc_ids, sink)
     torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-10)
     d_out = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
     mine = torch.autograd.grad(ours, (q, k, v), d_out)
@@ -57,15 +58,16 @@ def test_plan_equals_the_float64_reference_forward_and_backward(stand_in, seed, 
     assert sorted((w for _, w in forward_calls), key=str) == sorted(
         (fa4_window.fa4_window_size(w, T) for w in windowed), key=str
     )  # one forward call per window group
-    assert {kind for kind, _ in forward_calls} == {"varlen" if documents else "batch"}
+    assert {kind for kind, _ in forward_calls} == {"varlen" if documents or sink else "batch"}
 
 
-def test_model_runs_the_groups_through_its_weights_like_sdpa(stand_in, monkeypatch):
+@pytest.mark.parametrize("sink", [0, 2])
+def test_model_runs_the_groups_through_its_weights_like_sdpa(stand_in, monkeypatch, sink):
     """The layer runs fa4_window's groups itself (head_groups) and trains exactly like the dense reference backend."""
     monkeypatch.setattr(fa4_window.Fa4WindowBackend, "available", lambda self, device, needs_grad: AVAILABLE)
     T = 32
     torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=T, n_layer=2, n_head=4, n_embd=32)).double()
+    model = GPT(GPTConfig(seq_len=T, n_layer=2, n_head=4, n_embd=32), sink=sink).double()
     model.set_windows(torch.tensor([[5, T, 5, 12], [T, 3, 20, 3]], dtype=torch.int32))
     tokens = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
 

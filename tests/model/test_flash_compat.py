@@ -76,12 +76,13 @@ def test_mask_ops_lists_what_the_window_and_document_masks_lower_to(monkeypatch)
     T, H = 256, 4
     row = torch.tensor([17, 64, 129, T], dtype=torch.int32)
     docs = torch.tensor([[0] * 100 + [1] * 156])
-    window, document = recorded_mask_ops(
-        monkeypatch, [masks.window_block_mask(row, T, 128), masks.document_block_mask(row, docs, 128)], H, T
-    )
+    built = [masks.window_block_mask(row, T, 128), masks.document_block_mask(row, docs, 128)]
+    built += [masks.window_block_mask(row, T, 128, sink=4), masks.document_block_mask(row, docs, 128, sink=4)]
+    window, document, window_sink, document_sink = recorded_mask_ops(monkeypatch, built, H, T)
     assert {"le", "sub", "lt", "indirect_indexing"} <= window  # the window: kv <= q and q - kv < W[h]
     assert "eq" in document - window  # the document: doc[b, q] == doc[b, kv]
-    assert window | document == set(flash_compat.MASK_OPS)
+    assert "bitwise_or" in window_sink - window  # the sink: q - kv < W[h] or kv < sink
+    assert window | document | window_sink | document_sink == set(flash_compat.MASK_OPS)
 
 
 OVERRIDES = '''

@@ -1,4 +1,5 @@
-"""The per-head window KV cache: incremental decoding against one full forward, ring buffers, sampling."""
+"""The per-head window KV cache: incremental decoding against one full forward (with and without an attention sink),
+ring buffers, sampling."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from aah_lightning.model.gpt import GPT
 from aah_lightning.model.window_math import kv_group_windows
 
 
-def tiny_model(seq_len=24, n_layer=2, n_head=4, windows=None, dtype=torch.float64, backend="sdpa") -> GPT:
+def tiny_model(seq_len=24, n_layer=2, n_head=4, windows=None, dtype=torch.float64, backend="sdpa", sink=0) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=32, backend=backend))
+    cfg = GPTConfig(vocab_size=40, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=32, backend=backend)
+    model = GPT(cfg, sink=sink)
     if windows is not None:
         model.set_windows(windows)
     return model.to(dtype).eval()
@@ -54,17 +56,20 @@ def random_prompts(lengths, vocab=40, seed=1):
         [[4, 4, 4, 4], [9, 9, 2, 2]],  # one group per layer / two groups
     ],
 )
-def test_decode_equals_full_forward_float64(windows):
-    model = tiny_model(windows=windows)
-    # Unequal prompts (1 to 17 tokens), decoded past the trained seq_len (24): the rings wrap several times.
+@pytest.mark.parametrize("sink", [0, 3])
+def test_decode_equals_full_forward_float64(windows, sink):
+    model = tiny_model(windows=windows, sink=sink)
+    # Unequal prompts (1 to 17 tokens), decoded past the trained seq_len (24): the rings wrap several times; with a
+    # sink the first positions stay (the 1-token prompt decodes into them), full heads get one past seq_len.
     worst = decode_matches_forward(model, random_prompts([5, 17, 1, 11]), steps=10)
     assert worst < 1e-9
 
 
-def test_decode_exact_with_banded_prefill():
+@pytest.mark.parametrize("sink", [0, 4])
+def test_decode_exact_with_banded_prefill(sink):
     """A prefill long enough for the banded backend (T >= 256 on CPU) fills the same cache."""
     windows = [[1, 16, 100, 300], [300, 37, 300, 5]]
-    model = tiny_model(seq_len=300, windows=windows, backend="auto")
+    model = tiny_model(seq_len=300, windows=windows, backend="auto", sink=sink)
     assert {p.kind for p in model.attention_plans(320)} == {"banded"}
     assert decode_matches_forward(model, random_prompts([260, 120, 300]), steps=6) < 1e-9
 
@@ -102,10 +107,17 @@ def test_cache_bytes_follow_the_windows():
     assert cache.nbytes == expected == gen.cache_bytes(windows, 64, d, batch=2, dtype=torch.float64)
     full = gen.full_cache_bytes(2, 4, 64, d, batch=2, dtype=torch.float64)
     assert cache.nbytes / full == pytest.approx(sum(min(w, 64) for r in windows for w in r) / (8 * 64), abs=0)
+    # an attention sink of 4: each head keeps 4 + W positions (at most the 64 it can ever see)
+    model.sink = 4
+    cache, _ = gen.prefill(model, random_prompts([50, 30]), max_new_tokens=14)
+    expected = sum(min(4 + w, 64) for row in windows for w in row) * d * 2 * 8 * 2
+    assert cache.nbytes == expected == gen.cache_bytes(windows, 64, d, batch=2, dtype=torch.float64, sink=4)
+    assert gen.slot_counts(windows, 64, sink=4) == [[6, 12, 64, 64], [64, 64, 8, 20]]
 
 
-def test_greedy_is_the_argmax_of_the_full_forward():
-    model = tiny_model(windows=[[3, 24, 5, 7], [24, 2, 24, 9]])
+@pytest.mark.parametrize("sink", [0, 2])
+def test_greedy_is_the_argmax_of_the_full_forward(sink):
+    model = tiny_model(windows=[[3, 24, 5, 7], [24, 2, 24, 9]], sink=sink)
     prompts = random_prompts([6, 3])
     out = gen.generate(model, prompts, gen.GenerationConfig(max_new_tokens=8, temperature=0, stop_at_eod=False))
     for p, c in zip(prompts, out):
@@ -196,10 +208,10 @@ def test_decode_benchmark_runs_on_tiny_shapes():
 
 
 # -- grouped-query attention -------------------------------------------------------------------------------------------
-def gqa_model(n_kv_head, windows, seq_len=24, n_head=4) -> GPT:
+def gqa_model(n_kv_head, windows, seq_len=24, n_head=4, sink=0) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=40, seq_len=seq_len, n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32)
-    model = GPT(cfg)
+    model = GPT(cfg, sink=sink)
     model.set_windows(windows)
     return model.double().eval()
 
@@ -223,7 +235,7 @@ def test_kv_group_windows_keep_the_widest_window_of_each_group():
     ],
 )
 def test_gqa_decode_equals_full_forward_float64(n_kv_head, windows):
-    model = gqa_model(n_kv_head, windows)
+    model = gqa_model(n_kv_head, windows, sink=3 if n_kv_head == 2 else 0)
     worst = decode_matches_forward(model, random_prompts([5, 17, 1, 11]), steps=10)
     assert worst < 1e-9
 

@@ -1,5 +1,6 @@
 """Grouped-query attention (``n_kv_head < n_head``): every backend's plans against the float64 reference, forward and
-backward, with random per-head windows, and the GPT through each backend's plans against reference plans.
+backward, with random per-head windows and attention sinks, and the GPT through each backend's plans against
+reference plans.
 
 Query head ``h`` reads key/value head ``h // (H / Hkv)`` and keeps its own window. The reference is checked here
 against attention written head by head from the spec; kernels without a CPU implementation run on the stand-ins of
@@ -36,6 +37,7 @@ from helpers.spec import allowed, random_windows
 
 H = 6
 KV_HEADS = [1, 2, 3]  # multi-query, two groups of three, three groups of two
+SINKS = {1: 0, 2: 3, 3: 17}  # an attention sink per key/value layout: none, a few positions, more than a tile
 
 
 def gqa_qkv(B, n_kv, T, D=8, seed=0, dtype=torch.float64):
@@ -50,8 +52,8 @@ def documents(B, T, seed=0):
     return torch.cumsum((torch.rand(B, T, generator=g) < 0.05).long(), dim=1)
 
 
-def assert_matches_reference(out, q, k, v, row, doc_ids=None, tol=1e-9):
-    ref = reference_attention(q, k, v, torch.tensor(row), doc_ids)
+def assert_matches_reference(out, q, k, v, row, doc_ids=None, tol=1e-9, sink=0):
+    ref = reference_attention(q, k, v, torch.tensor(row), doc_ids, sink)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     grad = torch.randn_like(ref)
     got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
@@ -91,9 +93,10 @@ def test_cpu_backends_match_reference_under_gqa(backend, n_kv, docs):
     row = (3,) + row[1:]  # at least one windowed head, so the plan is the backend's, not causal
     doc_ids = documents(2, T, seed=n_kv) if docs else None
     q, k, v = gqa_qkv(2, n_kv, T, seed=n_kv)
-    plan = AttentionPlanner().plans(torch.tensor([row], dtype=torch.int32), T, backend, doc_ids)[0]
+    sink = SINKS[n_kv]
+    plan = AttentionPlanner().plans(torch.tensor([row], dtype=torch.int32), T, backend, doc_ids, sink)[0]
     assert plan.kind == {"sdpa": "dense"}.get(backend, backend)
-    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, sink=sink)
 
 
 @pytest.mark.parametrize("n_kv", KV_HEADS)
@@ -108,14 +111,15 @@ def test_causal_plan_takes_fewer_key_value_heads(n_kv):
 @pytest.mark.parametrize("n_kv", KV_HEADS)
 @pytest.mark.parametrize("docs", [False, True])
 def test_varlen_plans_match_reference_under_gqa(monkeypatch, n_kv, docs):
-    monkeypatch.setattr(varlen, "varlen_attn", flash_stand_ins.flash_varlen_emulation)
+    flash_stand_ins.install_varlen(monkeypatch, varlen)
     T = 90
     g = torch.Generator().manual_seed(10 + n_kv)
     row = (5,) + tuple(random_windows(H - 1, T, g).tolist())  # random, with one windowed head at least
     doc_ids = documents(2, T, seed=1) if docs else None
-    plan = varlen.VarlenBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=128)
+    sink = SINKS[n_kv]
+    plan = varlen.VarlenBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=128, sink=sink)
     q, k, v = gqa_qkv(2, n_kv, T, seed=n_kv)
-    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, sink=sink)
 
 
 @pytest.mark.parametrize("n_kv", KV_HEADS)
@@ -126,9 +130,10 @@ def test_fa4_window_plans_match_reference_under_gqa(monkeypatch, n_kv, docs):
     g = torch.Generator().manual_seed(20 + n_kv)
     row = (9,) + tuple(random_windows(H - 1, T, g).tolist())
     doc_ids = torch.tensor([[0] * 20 + [1] * 28, [3] * 5 + [4] * 40 + [5] * 3]) if docs else None
-    plan = fa4_window.Fa4WindowBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=16)
+    sink = SINKS[n_kv]
+    plan = fa4_window.Fa4WindowBackend().build(row, T, doc_ids, device=torch.device("cpu"), block_size=16, sink=sink)
     q, k, v = gqa_qkv(2, n_kv, T, seed=n_kv)
-    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, tol=1e-10)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, tol=1e-10, sink=sink)
     assert calls  # the groups went through FlashAttention-4's (stand-in) calls
 
 
@@ -158,14 +163,16 @@ def test_flex_plans_match_reference_under_gqa(monkeypatch, backend, n_kv, balanc
     monkeypatch.setattr(flex.torch, "get_num_threads", lambda: 2 if balanced else 1)
     T = 256
     row = (4, 8, 16, 256, 256, 256) if balanced else (5, 256, 64, 1, 130, 256)  # balanced: cheap heads first
-    plan = get_backend(backend).build(row, T, None, device=torch.device("cpu"), block_size=32)
+    sink = SINKS[n_kv] * 3  # up to 51: across two 32-tiles, partial and full
+    plan = get_backend(backend).build(row, T, None, device=torch.device("cpu"), block_size=32, sink=sink)
     assert (plan.order is not None) == balanced
     q, k, v = gqa_qkv(1, n_kv, T, seed=n_kv)
     monkeypatch.setattr(flex, "compiled_flex_attention", lambda: eager_flex)
     plain = [x.detach() for x in (q, k, v)]  # flex refuses inputs that require grad on CPU
-    torch.testing.assert_close(plan(*plain), reference_attention(*plain, row), rtol=1e-9, atol=1e-9)
+    want = reference_attention(*plain, row, sink=sink)
+    torch.testing.assert_close(plan(*plain), want, rtol=1e-9, atol=1e-9)
     monkeypatch.setattr(flex, "compiled_flex_attention", lambda: dense_flex)
-    assert_matches_reference(plan(q, k, v), q, k, v, row)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, sink=sink)
 
 
 def test_split_with_flex_parts_matches_reference_under_gqa(monkeypatch):
@@ -192,18 +199,18 @@ def test_compiled_flex_forward_under_gqa(n_kv):
 class Reference(Plan):
     """The float64 reference attention of one layer's windows (no head groups: the layer passes Hkv heads)."""
 
-    def __init__(self, row):
-        self.row = row
+    def __init__(self, row, sink=0):
+        self.row, self.sink = row, sink
 
     def __call__(self, q, k, v):
         assert k.shape[1] < q.shape[1]  # the layer really hands over fewer key/value heads
-        return reference_attention(q, k, v, torch.tensor(self.row))
+        return reference_attention(q, k, v, torch.tensor(self.row), sink=self.sink)
 
 
-def gqa_model(n_kv, T=64, seed=0, **kw):
+def gqa_model(n_kv, T=64, seed=0, sink=0, **kw):
     torch.manual_seed(seed)
     cfg = GPTConfig(seq_len=T, n_layer=2, n_head=H, n_kv_head=n_kv, n_embd=H * 8, **kw)
-    model = GPT(cfg).double()
+    model = GPT(cfg, sink=sink).double()
     g = torch.Generator().manual_seed(seed)
     table = torch.randint(1, T, (2, H), generator=g, dtype=torch.int32)
     table[:, ::3] = T  # full heads between windowed ones: split groups cut across key/value groups
@@ -227,14 +234,15 @@ def test_gpt_under_gqa_equals_the_reference_forward_and_backward(monkeypatch, ba
     flash_stand_ins.install(monkeypatch)
     monkeypatch.setattr(fa4_window.Fa4WindowBackend, "available", lambda self, device, needs_grad: AVAILABLE)
     T = 64
-    model = gqa_model(n_kv, T, seed=n_kv, qkv_bias=True, qk_norm=True, norm="rmsnorm", mlp="swiglu")
+    sink = 5 if n_kv == 2 else 0
+    model = gqa_model(n_kv, T, seed=n_kv, sink=sink, qkv_bias=True, qk_norm=True, norm="rmsnorm", mlp="swiglu")
     assert model.blocks[0].attn.qkv.weight.shape[0] == (H + 2 * n_kv) * 8
     tokens = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     plans = model.attention_plans(T, backend=backend)
     if backend in ("split", "fa4_window"):  # the layer's weight path: query heads reordered across kv groups
         assert all(p.head_groups is not None and p.head_groups.order is not None for p in plans)
     ours = run(model, tokens, plans)
-    want = run(model, tokens, [Reference(tuple(r.tolist())) for r in model.windows])
+    want = run(model, tokens, [Reference(tuple(r.tolist()), sink) for r in model.windows])
     torch.testing.assert_close(ours[0], want[0], rtol=1e-10, atol=1e-10)
     for name in want[1]:
         torch.testing.assert_close(ours[1][name], want[1][name], rtol=1e-9, atol=1e-10, msg=name)

@@ -22,6 +22,7 @@ from aah_lightning.model.attention.banded import band_pairs
 from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
+from aah_lightning.model.masks import dense_mask, window_mask_mod
 
 CPU = torch.device("cpu")
 
@@ -103,33 +104,42 @@ def test_a_new_backend_is_one_class_and_runs_in_the_model(float64_reference_back
     kinds = [p.kind for p in model.attention_plans(48, backend=float64_reference_backend)]
     assert kinds == ["reference", "causal"]  # a layer of full windows is causal under every backend
     torch.testing.assert_close(ours, model(x, backend="sdpa"))
+    # its build takes no sink: a model with one is refused in one line, not run without it
+    model.sink = 2
+    with pytest.raises(BackendUnavailable, match="backend=test_reference takes no attention sink.*model.aah.sink=2"):
+        model(x, backend=float64_reference_backend)
 
 
+@pytest.mark.parametrize("sink", [0, 4, 130])
 @pytest.mark.parametrize("backend", ["sdpa", "banded", "flex"])
-def test_plans_report_their_tiles_and_pairs(backend):
+def test_plans_report_their_tiles_and_pairs(backend, sink):
     T, tile = 700, 128
     row = (1, 64, 127, 129, 300, 700, 5000)
     with torch.no_grad():  # flex plans build on CPU for inference
-        plan = AttentionPlanner(tile).plans(torch.tensor([row], dtype=torch.int32), T, backend)[0]
+        plan = AttentionPlanner(tile).plans(torch.tensor([row], dtype=torch.int32), T, backend, sink=sink)[0]
     counts = plan.tile_counts(tile)
-    partial, full = window_math.window_tiles(torch.tensor(row), T, tile)
+    partial, full = window_math.window_tiles(torch.tensor(row), T, tile, sink)
     assert (counts.partial, counts.full) == (int(partial.sum()), int(full.sum()))
     assert counts.causal == len(row) * window_math.causal_tiles(T, tile)
     assert counts.source == ("blockmask" if backend == "flex" else "analytic")
-    assert plan.pairs() == sum(window_math.window_pairs(w, T) for w in row)
+    # the pairs a sink adds, counted from the mask itself
+    assert plan.pairs() == int(dense_mask(window_mask_mod(torch.tensor(row), sink=sink), 1, len(row), T, "cpu").sum())
+    assert plan.pairs() == sum(window_math.window_pairs(w, T, sink) for w in row)
+    assert (plan.pairs() > sum(window_math.window_pairs(w, T) for w in row)) == (sink > 0)
     computed = {
         "sdpa": len(row) * T * T,
-        "banded": sum(band_pairs(w, T) for w in row),
+        "banded": sum(band_pairs(w, T, sink) for w in row),
         "flex": (counts.partial + counts.full) * tile * tile,
     }[backend]
     assert plan.computed_pairs(tile) == computed
     assert plan.pairs() <= computed
 
 
-def test_blockmask_tiles_match_the_analytic_count():
+@pytest.mark.parametrize("sink", [0, 70])
+def test_blockmask_tiles_match_the_analytic_count(sink):
     row = torch.tensor([1, 100, 128, 129, 1000], dtype=torch.int32)
-    counted = masks.block_mask_tiles(masks.window_block_mask(row, 1000, 64))
-    analytic = window_math.tile_counts(row, 1000, 64)
+    counted = masks.block_mask_tiles(masks.window_block_mask(row, 1000, 64, sink))
+    analytic = window_math.tile_counts(row, 1000, 64, sink)
     assert (counted.partial, counted.full, counted.causal) == (analytic.partial, analytic.full, analytic.causal)
     assert counted.source == "blockmask" and 0 < counted.density < 1
 

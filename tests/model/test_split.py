@@ -17,7 +17,7 @@ from aah_lightning.model.attention import AttentionPlanner, registry, resolve_ba
 from aah_lightning.model.attention.reference import reference_attention
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
-from helpers.flash_stand_ins import flash_varlen_emulation
+from helpers import flash_stand_ins
 from helpers.spec import allowed, random_windows
 
 CPU = torch.device("cpu")
@@ -35,8 +35,8 @@ def documents(batch, seq_len, seed=0):
     return torch.cumsum((torch.rand(batch, seq_len, generator=g) < 0.03).long(), dim=1)
 
 
-def assert_matches_reference(out, q, k, v, row, doc_ids=None):
-    ref = reference_attention(q, k, v, torch.tensor(row), doc_ids)
+def assert_matches_reference(out, q, k, v, row, doc_ids=None, sink=0):
+    ref = reference_attention(q, k, v, torch.tensor(row), doc_ids, sink)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -50,11 +50,12 @@ def assert_matches_reference(out, q, k, v, row, doc_ids=None):
 def test_split_matches_reference_forward_and_backward(seq_len, docs):
     g = torch.Generator().manual_seed(seq_len)
     row = tuple(random_windows(6, seq_len, g).tolist())
+    sink = {1: 0, 77: 2, 200: 0, 333: 40}[seq_len]
     q, k, v = qkv(2, 6, seq_len, seed=seq_len)
     doc_ids = documents(2, seq_len, seed=seq_len) if docs else None
-    plan = AttentionPlanner().plans(torch.tensor([row], dtype=torch.int32), seq_len, "split", doc_ids)[0]
+    plan = AttentionPlanner().plans(torch.tensor([row], dtype=torch.int32), seq_len, "split", doc_ids, sink)[0]
     assert plan.kind == ("causal" if min(row) >= seq_len and not docs else "split")
-    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, sink)
 
 
 def test_split_gathers_full_window_heads_onto_causal_sdpa():
@@ -74,20 +75,22 @@ def test_split_gathers_full_window_heads_onto_causal_sdpa():
 
 @pytest.mark.parametrize("docs", [False, True])
 def test_split_with_flex_forward_for_windowed_heads(monkeypatch, docs):
-    """The CUDA arrangement (flex for windowed heads) run on CPU: forward only, flex eager instead of compiled."""
+    """The CUDA arrangement (flex for windowed heads) run on CPU: forward only, flex eager instead of compiled (with
+    documents under an attention sink: each document's first tokens)."""
     monkeypatch.setattr(split, "compiled_flex_any_heads", lambda: flex_attention)
     T = 200
+    sink = 5 if docs else 0
     row = (3, 200, 64, 130, 999, 1)
     doc_ids = documents(2, T) if docs else None
     q, k, v = (x.detach().float() for x in qkv(2, 6, T))
     with torch.no_grad():
-        plan = split.SplitBackend(windowed="flex").build(row, T, doc_ids, device=CPU, block_size=128)
+        plan = split.SplitBackend(windowed="flex").build(row, T, doc_ids, device=CPU, block_size=128, sink=sink)
         out = plan(q, k, v)
     kinds = [p.kind for p in plan.parts]
     assert kinds == (["flex"] if docs else ["flex", "causal"])
     assert plan.tile_counts(128).source == ("blockmask" if docs else "analytic+blockmask")
     torch.testing.assert_close(
-        out.double(), reference_attention(q, k, v, torch.tensor(row), doc_ids), rtol=2e-5, atol=2e-5
+        out.double(), reference_attention(q, k, v, torch.tensor(row), doc_ids, sink), rtol=2e-5, atol=2e-5
     )
 
 
@@ -127,19 +130,20 @@ def test_document_segments_are_the_document_runs():
         varlen.document_segments(torch.tensor([[0, 1, 0, 0]]))  # document 0 in two pieces
 
 
+@pytest.mark.parametrize("sink", [0, 4])
 @pytest.mark.parametrize("seq_len", [50, 257])
 @pytest.mark.parametrize("docs", [False, True])
-def test_varlen_plan_matches_reference_through_flash_semantics(monkeypatch, seq_len, docs):
-    monkeypatch.setattr(varlen, "varlen_attn", flash_varlen_emulation)
+def test_varlen_plan_matches_reference_through_flash_semantics(monkeypatch, seq_len, docs, sink):
+    flash_stand_ins.install_varlen(monkeypatch, varlen)
     g = torch.Generator().manual_seed(seq_len + docs)
     row = tuple(random_windows(6, seq_len, g).tolist()) + (seq_len, 3)
     doc_ids = documents(2, seq_len, seed=seq_len) if docs else None
-    plan = varlen.VarlenBackend().build(row, seq_len, doc_ids, device=CPU, block_size=128)
+    plan = varlen.VarlenBackend().build(row, seq_len, doc_ids, device=CPU, block_size=128, sink=sink)
     assert plan.kind == "varlen"
     kinds = {p.kind for p in plan.parts}
     assert kinds == ({"varlen"} if docs else {"varlen", "causal"})  # with documents even full heads need varlen
     q, k, v = qkv(2, len(row), seq_len, seed=seq_len)
-    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids)
+    assert_matches_reference(plan(q, k, v), q, k, v, row, doc_ids, sink)
 
 
 def test_varlen_off_cuda_falls_back_to_split_with_one_log_line(caplog):

@@ -75,6 +75,7 @@ def test_budget_matches_brute_force_and_never_exceeds(measure, scope):
         profiles = random_profiles(n_layer, n_head, len(cands), g)
         target = float(torch.empty(1).uniform_(0.2, 0.9, generator=g))
         cover = 1.0 if trial % 3 else 0.8
+        sink = 3 if trial % 3 == 1 else 0  # an attention sink: every candidate costs its pairs more
         layers = [
             LayerInputs(
                 hierarchy=random_hierarchy(n_head, g),
@@ -84,10 +85,11 @@ def test_budget_matches_brute_force_and_never_exceeds(measure, scope):
                 seq_len=T,
                 coverage_target=cover,
                 parent_constraint=bool(trial % 4),
+                sink=sink,
             )
             for layer in range(n_layer)
         ]
-        per_head = window_costs(cands, T, measure).tolist()
+        per_head = window_costs(cands, T, measure, sink).tolist()
         if target < per_head[0]:
             continue
         chosen = budget.allocate_within_budget(layers, measure, target, scope)
@@ -139,6 +141,25 @@ def test_knapsack_exact_on_a_hand_case():
     assert picks == [1, 0]
     # equal value: the cheaper item
     assert budget.multiple_choice_knapsack([torch.tensor([1.0, 1.0], dtype=torch.float64)], [[1, 3]], 5) == [0]
+
+
+def test_a_sink_is_paid_for_out_of_the_budget():
+    """With model.aah.sink the controller's costs include the sink's pairs: the table it chooses meets the target as
+    the run measures it (ACR with the sink), so the sink leaves less for the windows than without one."""
+    cands, T, target = [4, 8, 16, 32], 32, 0.375
+    prof = torch.tensor([[[0.1, 0.2, 0.4, 1.0]] * 4, [[0.5, 0.7, 0.9, 1.0]] * 4], dtype=torch.float64)
+    tables = {}
+    for sink in (0, 4):
+        policy = adaptive(
+            2, 4, T, cands, sink=sink, grouping="none", depth=1, coverage_target=1.0, target_acr=target,
+            budget_scope="model",
+        )  # fmt: skip
+        assert policy.budget.costs.tolist() == metrics.window_costs(cands, T, "acr", sink).tolist()
+        tables[sink] = policy.decide(synthetic_features(policy, prof), step=0)
+        assert float(metrics.acr(tables[sink], T, sink)) <= target + 1e-12
+        assert policy.budget.table_cost(tables[sink]) == float(metrics.acr(tables[sink], T, sink))
+    assert float(metrics.acr(tables[0], T, 4)) > target  # the table chosen without the sink would overspend with it
+    assert tables[4].sum() < tables[0].sum()
 
 
 def test_policy_with_model_budget_spends_across_layers():
@@ -293,9 +314,10 @@ def test_budget_settings_are_checked(settings, match):
 
 
 def test_integer_costs_are_the_measures_numerators():
-    for measure in ("acr", "causal_coverage"):
-        nums, den = budget.integer_costs([4, 8, 16, 40], 32, measure)
-        assert torch.allclose(torch.tensor(nums, dtype=torch.float64) / den, window_costs([4, 8, 16, 40], 32, measure))
+    for measure, sink in itertools.product(("acr", "causal_coverage"), (0, 3)):
+        nums, den = budget.integer_costs([4, 8, 16, 40], 32, measure, sink)
+        want = window_costs([4, 8, 16, 40], 32, measure, sink)
+        assert torch.allclose(torch.tensor(nums, dtype=torch.float64) / den, want, rtol=1e-15, atol=0)
         assert all(isinstance(n, int) for n in nums) and math.gcd(*nums) >= 1
 
 

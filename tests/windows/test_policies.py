@@ -48,6 +48,9 @@ def test_random_policy_is_seeded_redraws_on_schedule_and_resumes():
         (AAHConfig("random", candidates=[0, 8]), "model.aah.candidates"),
         (AAHConfig("random", candidates=[8, 128]), "model.aah.candidates"),
         (AAHConfig("static", static={"table": [[8, 8, 8]]}), "model.aah.static.table"),
+        (AAHConfig("full", sink=-1), "model.aah.sink=-1 is not allowed: an integer >= 0"),
+        (AAHConfig("fixed", sink=1.5), "model.aah.sink=1.5 is not allowed"),
+        (AAHConfig("random", sink=True), "model.aah.sink=True is not allowed"),
     ],
 )
 def test_bad_policy_settings_name_the_setting(cfg, setting):

@@ -4,8 +4,10 @@ Self-contained on purpose: an export folder must load with ``trust_remote_code=T
 
 Besides the usual shape fields, the config holds the model's **window table**: ``windows[l][h]`` is the causal
 window of head ``h`` in layer ``l``. Query ``i`` of that head attends to key ``j`` iff ``0 <= i - j < windows[l][h]``
-(``W`` keys including itself, fewer near the start). ``max_position_embeddings`` is the sequence length the model
-was trained at; a head whose window is at least that long saw its whole context in training.
+(``W`` keys including itself, fewer near the start), or ``j < sink``: the attention sink, the first ``sink`` positions,
+which every head keeps in view (0, the default and what exports without the field mean, is none).
+``max_position_embeddings`` is the sequence length the model was trained at; a head whose window is at least that long
+saw its whole context in training.
 
 The defaults are aah's own GPT (LayerNorm, GELU MLP, one key/value head per query head, tied output layer). The
 Llama family's choices are settings, as in aah's ``GPTConfig``: ``num_key_value_heads`` (grouped-query attention:
@@ -59,6 +61,7 @@ class AAHTransformersConfig(PretrainedConfig):
         rope_low_freq_factor: float = 1.0,
         rope_high_freq_factor: float = 4.0,
         rope_original_max_position_embeddings: int = 8192,
+        sink: int = 0,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -89,6 +92,7 @@ class AAHTransformersConfig(PretrainedConfig):
         if windows is None:  # every head sees its whole trained context
             windows = [[max_position_embeddings] * num_attention_heads for _ in range(num_hidden_layers)]
         self.windows = [[int(w) for w in row] for row in windows]
+        self.sink = int(sink)
         # Recorded for the model card; the exported model does not mask across documents (see the modeling code).
         self.document_mask = document_mask
         self.initializer_range = initializer_range
@@ -126,3 +130,5 @@ class AAHTransformersConfig(PretrainedConfig):
             )
         if any(w < 1 for row in self.windows for w in row):
             raise ValueError("every window must be at least 1 (a head always sees its own position)")
+        if self.sink < 0:
+            raise ValueError(f"sink={self.sink} must be at least 0 (the first positions every head keeps; 0 = none)")

@@ -9,7 +9,8 @@ GELU, every query head has its own key/value head and the output layer reuses th
 family's choices are config settings (``configuration_aah.py``): grouped-query attention, SwiGLU, RMSNorm, an untied
 output layer, q/k/v biases, a norm over each head's q and k (Qwen3) and RoPE's linear or llama3 scaling. Attention runs through ``scaled_dot_product_attention`` with a boolean mask built from the
 window table in the config: query ``i`` of head ``h`` in layer ``l`` attends to key ``j`` iff
-``0 <= i - j < windows[l][h]``, with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
+``0 <= i - j < windows[l][h]`` or ``0 <= j < sink <= i`` (the config's attention sink: the first ``sink`` positions of
+the text stay visible), with ``i`` and ``j`` counted over the whole text so far (cached tokens included).
 Keys marked 0 in a 2-D ``attention_mask`` (padding) are never attended to. ``attn_implementation`` is ``"sdpa"``
 (the default) or ``"eager"`` (the same softmax written out); ``output_attentions=True`` computes the weights the
 eager way, ``output_hidden_states=True`` returns the embeddings, every block's input and the final output.
@@ -77,10 +78,12 @@ def rotary_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def window_masks(windows: torch.Tensor, past: int, length: int, key_padding: torch.Tensor | None) -> list[torch.Tensor]:
+def window_masks(
+    windows: torch.Tensor, past: int, length: int, key_padding: torch.Tensor | None, sink: int = 0
+) -> list[torch.Tensor]:
     """One boolean mask per layer, ``[B or 1, H, length, past + length]``: True where query ``past + t`` may attend
-    to key ``j``, i.e. ``0 <= past + t - j < W[h]`` and key ``j`` is not padding. Layers with the same row of windows
-    share one mask.
+    to key ``j``, i.e. ``0 <= past + t - j`` and (``past + t - j < W[h]`` or ``j < sink``: the attention sink), and key
+    ``j`` is not padding. Layers with the same row of windows share one mask.
 
     A real token always sees itself (every window is at least 1), so only padding queries could be left without any
     key, which would make their attention NaN; they are given their own position (their outputs are never used)."""
@@ -92,7 +95,7 @@ def window_masks(windows: torch.Tensor, past: int, length: int, key_padding: tor
     for row in windows:
         key_of_row = tuple(row.tolist())
         if key_of_row not in built:
-            allowed = (distance >= 0) & (distance < row.view(1, -1, 1, 1))
+            allowed = (distance >= 0) & ((distance < row.view(1, -1, 1, 1)) | (key.view(1, 1, 1, -1) < sink))
             if key_padding is not None:
                 allowed = (allowed & key_padding.view(key_padding.shape[0], 1, 1, -1)) | (distance == 0)
             built[key_of_row] = allowed
@@ -289,7 +292,7 @@ class AAHModel(AAHPreTrainedModel):
             key_padding = attention_mask.to(device=x.device, dtype=torch.bool)
             if bool(key_padding.all()):
                 key_padding = None
-        masks = window_masks(self.windows.to(x.device), past, T, key_padding)
+        masks = window_masks(self.windows.to(x.device), past, T, key_padding, getattr(self.config, "sink", 0))
 
         eager = output_attentions or getattr(self.config, "_attn_implementation", None) == "eager"
         hidden_states, attentions = [], []

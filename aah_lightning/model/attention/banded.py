@@ -29,6 +29,13 @@ on fewer threads; the forward splits query blocks too.
 With document masking (per-batch ``doc_ids``) the same parts run once per sequence, every part with a mask evaluated
 from the mask_mod (per chunk in the body; prefix and full-window groups included), so documents are exact; these masks
 are built per batch, like every document mask.
+
+An attention sink (the first ``sink`` positions, of the sequence or of each document) changes only the body: every
+chunk's keys are its span plus ``m`` sink columns, the sink positions before the span that a query of the chunk may
+see (the first ``sink`` positions; with documents those of the chunk's queries' documents: one document for packed
+runs). The columns are gathered copies of k and v, and the chunk masks (now per chunk) are the mask_mod at the sink
+positions and at the span, so each key is counted once: before the span through the sink columns, inside it through
+the span. The prefix needs nothing: a query ``q < W`` has every earlier key, sinks included, inside its window.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aah_lightning.model.attention.registry import Backend, Plan, expand_kv, register
-from aah_lightning.model.masks import window_mask_mod
+from aah_lightning.model.masks import document_positions, window_mask_mod
 
 # Body chunk size: small chunks waste less of the span (about C^2 of the C * (C + W) pairs are masked), large chunks
 # run the kernel more efficiently; the bounds are the measured best range (docs/benchmarks.md, banded chunk size).
@@ -67,7 +74,9 @@ class HeadGroup:
     window: int  # clipped to T
     chunk: int
     prefix_mask: Tensor | None  # [B, W, W] with documents, else None (causal)
-    body_mask: Tensor | None  # [C, C + W], or [B, n, C, C + W] with documents (they differ per chunk)
+    body_mask: Tensor | None  # [C, C + W], or [B, n, C, C + W] with documents (they differ per chunk); with a sink
+    # [(B,) n, C, m + C + W]: the sink columns first
+    sink_index: Tensor | None = None  # [(B,) n, m]: the sink columns' positions per chunk (None: no sink columns)
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,13 +89,14 @@ class BandedPlan(Plan):
     order: Tensor | None  # heads in grouped order (index into the layer's heads); None = already grouped
     inverse: Tensor | None  # undoes ``order`` on the output
     batch: int | None = None  # with document masking: the batch size the masks were built for
+    sink: int = 0
     kind = "banded"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return banded_attention(q, k, v, self)
 
     def computed_pairs(self, block_size: int) -> int:
-        return sum(band_pairs(w, self.seq_len) for w in self.row)
+        return sum(band_pairs(w, self.seq_len, self.sink) for w in self.row)
 
 
 def _split(window: int, seq_len: int) -> tuple[int, int, int]:
@@ -98,10 +108,11 @@ def _split(window: int, seq_len: int) -> tuple[int, int, int]:
     return w, c, -(-(seq_len - w) // c)
 
 
-def band_pairs(window: int, seq_len: int) -> int:
-    """(query, key) pairs the banded backend computes for one head (masked and padded pairs included)."""
+def band_pairs(window: int, seq_len: int, sink: int = 0) -> int:
+    """(query, key) pairs the banded backend computes for one head (masked and padded pairs included; with documents
+    a chunk may carry more sink columns than ``sink``)."""
     w, c, n = _split(window, seq_len)
-    return w * (w + 1) // 2 + n * c * (c + w)
+    return w * (w + 1) // 2 + n * c * (c + w + min(sink, seq_len))
 
 
 def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -118,8 +129,33 @@ def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Te
     return mask_mod(b, h, q_idx, kv_idx).expand(shape).contiguous()
 
 
-def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | None, device):
-    """(prefix, body) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions."""
+def sink_columns(doc_ids: Tensor, window: int, seq_len: int, sink: int) -> tuple[Tensor, Tensor]:
+    """The sink columns of a windowed group's body chunks: positions ``[B, n, m]`` and whether each is real
+    ``[B, n, m]`` (padding columns point at position 0). Chunk ``i`` (queries from ``W + i C``, its span from ``i C``)
+    gets the sink positions before its span (a document's first ``sink`` tokens, ``masks.document_positions``) of the
+    documents its queries belong to. ``doc_ids``: ``[B, T]`` (one document for all without document masking)."""
+    w, c, n = _split(window, seq_len)
+    device = doc_ids.device
+    rank = document_positions(doc_ids)
+    first = torch.arange(n, device=device) * c  # where each chunk's span starts
+    q_pos = (w + first.view(n, 1) + torch.arange(c, device=device)).clamp(max=seq_len - 1)  # [n, C]
+    rows_index, rows_valid = [], []
+    for docs, ranks in zip(doc_ids, rank):
+        sinks = (ranks < sink).nonzero().flatten()  # every sink position of the row, ascending
+        mine = (docs[q_pos].unsqueeze(-1) == docs[sinks].view(1, 1, -1)).any(1)  # [n, P]: a chunk query's document
+        valid = mine & (sinks.view(1, -1) < first.view(n, 1))  # ... and before the chunk's span
+        order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # real columns first, ascending
+        rows_index.append(sinks[order]), rows_valid.append(valid.gather(-1, order))
+    m = max(1, max(int(v.sum(-1).max()) if v.numel() else 0 for v in rows_valid))
+    pad = [max(0, m - x.shape[-1]) for x in rows_index]
+    index = torch.stack([torch.nn.functional.pad(x, (0, p))[:, :m] for x, p in zip(rows_index, pad)])
+    valid = torch.stack([torch.nn.functional.pad(x, (0, p))[:, :m] for x, p in zip(rows_valid, pad)])
+    return torch.where(valid, index, 0), valid
+
+
+def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | None, device, doc_ids=None, sink=0):
+    """(prefix, body, sink_index) masks of a head group, evaluated from ``mask_mod`` at the parts' absolute positions
+    (``sink_index``: the sink columns' positions, None without a sink)."""
     w, c, n = _split(window, seq_len)
 
     def pos(start: int, count: int) -> Tensor:
@@ -127,27 +163,38 @@ def _group_masks(mask_mod, head: int, window: int, seq_len: int, batch: int | No
 
     prefix = None if batch is None else _eval_mask(mask_mod, head, batch, pos(0, w)[:, None], pos(0, w)[None])
     if not n:
-        return prefix, None
+        return prefix, None, None
     span = c + w
-    if batch is None:  # the band is the same in every chunk: evaluate it on the first one
-        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(0, span)[None])
+    if batch is None and not sink:  # the band is the same in every chunk: evaluate it on the first one
+        return prefix, _eval_mask(mask_mod, head, None, pos(w, c)[:, None], pos(0, span)[None]), None
     first = torch.arange(n, device=device).view(n, 1, 1) * c
     q_idx, kv_idx = first + pos(w, c).view(1, c, 1), first + pos(0, span).view(1, 1, span)
     # Padded positions (>= T) have no document: evaluate at T - 1 (padded queries then see the last key, so no row
     # is empty) and hide padded keys.
     last = seq_len - 1
     body = _eval_mask(mask_mod, head, batch, q_idx.clamp(max=last), kv_idx.clamp(max=last)) & (kv_idx <= last)
-    return prefix, body
+    if not sink:
+        return prefix, body, None
+    docs = torch.zeros(1, seq_len, dtype=torch.long, device=device) if doc_ids is None else doc_ids
+    index, valid = sink_columns(docs, window, seq_len, sink)  # [B or 1, n, m]
+    h = torch.tensor(head, device=device)
+    if batch is None:  # the same columns for every sequence
+        index, valid = index[0], valid[0]
+        b = torch.zeros((), dtype=torch.long, device=device)
+    else:
+        b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    sinks = mask_mod(b, h, q_idx.clamp(max=last), index.unsqueeze(-2)) & valid.unsqueeze(-2)  # [(B,) n, C, m]
+    return prefix, torch.cat([sinks, body], dim=-1), index
 
 
 @functools.lru_cache(maxsize=64)
-def _window_masks(window: int, seq_len: int, device: torch.device):
-    """Masks of a window without documents: they depend on (W, T) only, so layers and rebuilds share them."""
-    mask_mod = window_mask_mod(torch.tensor([window], dtype=torch.int32, device=device))
-    return _group_masks(mask_mod, 0, window, seq_len, None, device)
+def _window_masks(window: int, seq_len: int, device: torch.device, sink: int):
+    """Masks of a window without documents: they depend on (W, T, sink) only, so layers and rebuilds share them."""
+    mask_mod = window_mask_mod(torch.tensor([window], dtype=torch.int32, device=device), sink=sink)
+    return _group_masks(mask_mod, 0, window, seq_len, None, device, sink=sink)
 
 
-def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=None) -> BandedPlan:
+def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=None, sink: int = 0) -> BandedPlan:
     """Group a layer's heads by window and evaluate the masks from the mask_mod, on ``device``.
 
     ``windows_row``: the layer's windows as ints (the planner's host mirror) or a tensor (read on the host). Call at
@@ -160,7 +207,7 @@ def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=
     row = [min(w, seq_len) for w in windows]
     order = sorted(range(len(row)), key=lambda h: row[h])
     if doc_ids is not None:
-        mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids)
+        mask_mod = window_mask_mod(torch.tensor(windows, dtype=torch.int32, device=device), doc_ids, sink)
     groups, start = [], 0
     while start < len(order):
         head = order[start]  # any head of the group stands for all: they share the window
@@ -169,16 +216,16 @@ def build_plan(windows_row, seq_len: int, doc_ids: Tensor | None = None, device=
             stop += 1
         w, c, _ = _split(row[head], seq_len)
         if doc_ids is None:
-            masks = _window_masks(w, seq_len, device)
+            masks = _window_masks(w, seq_len, device, sink)
         else:
-            masks = _group_masks(mask_mod, head, w, seq_len, doc_ids.shape[0], device)
+            masks = _group_masks(mask_mod, head, w, seq_len, doc_ids.shape[0], device, doc_ids, sink)
         groups.append(HeadGroup(start, stop, w, c, *masks))
         start = stop
     batch = None if doc_ids is None else doc_ids.shape[0]
     if order == sorted(order):
-        return BandedPlan(tuple(windows), seq_len, tuple(groups), None, None, batch)
+        return BandedPlan(tuple(windows), seq_len, tuple(groups), None, None, batch, sink)
     perm = torch.tensor(order, device=device)
-    return BandedPlan(tuple(windows), seq_len, tuple(groups), perm, torch.argsort(perm), batch)
+    return BandedPlan(tuple(windows), seq_len, tuple(groups), perm, torch.argsort(perm), batch, sink)
 
 
 def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tensor:
@@ -208,6 +255,12 @@ def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tens
     # The chunk starting at query W + i*C reads keys [i*C, W + (i+1)*C): overlapping views of k and v, no copy. The
     # first key of each span is never visible (it is W keys back); it keeps every span aligned to the chunk grid.
     kc, vc = (x.reshape(B * h, T + pad, D).unfold(1, c + w, c).transpose(-1, -2) for x in (k, v))
+    if g.sink_index is not None:  # each chunk's sink columns before its span: gathered copies
+        index = mask(g.sink_index)  # [n, m]
+        kc, vc = (
+            torch.cat([x.index_select(2, index.flatten()).reshape(B * h, n, -1, D), span], dim=2)
+            for x, span in ((k, kc), (v, vc))
+        )
     # reshape, not view: SDPA's CUDA kernels may return these chunks in a layout a view cannot merge (fp32, H200)
     body = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask(g.body_mask)).reshape(B, h, n * c, D)
     return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
@@ -243,5 +296,5 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tenso
 class BandedBackend(Backend):
     name = "banded"
 
-    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
-        return build_plan(row, seq_len, doc_ids, device)
+    def build(self, row, seq_len, doc_ids, *, device, block_size, sink=0) -> Plan:
+        return build_plan(row, seq_len, doc_ids, device, sink)

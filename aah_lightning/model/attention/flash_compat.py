@@ -7,7 +7,8 @@ as CuTeDSL. That translation grew release by release: torch 2.11 has no ``index_
 ``maximum`` as ``NotImplementedError`` stubs, so a mask that needs them stops deep inside a compile with "UNSUPPORTED
 CUTEDSL OPERATION"; projects whose masks use them patch those ops into torch 2.11.
 
-aah's masks do not need them. ``MASK_OPS`` lists the ops that the window mask and the document mask lower to
+aah's masks do not need them. ``MASK_OPS`` lists the ops that the window mask and the document mask (with and without
+an attention sink) lower to
 (recorded from inductor's own lowering; tests/model/test_flash_compat.py keeps the list true), and torch 2.11's CuTeDSL
 code generation already writes every one of them. So this module patches nothing on any torch version. What it adds
 is the check: before a run compiles, ``flash_gap`` reads the installed torch's CuTeDSL code generation (its source,
@@ -27,7 +28,17 @@ import torch
 # The inductor ops aah's masks lower to (model/masks.py): the window mask ``kv <= q and q - kv < W[h]`` and the
 # document mask (the same and ``doc[b, q] == doc[b, kv]``). ``load`` and ``indirect_indexing`` (reading W[h] and
 # doc[b, i]) are the CuTeDSL handler's own; the rest are CuteDSLOpOverrides methods.
-MASK_OPS: tuple[str, ...] = ("bitwise_and", "eq", "indirect_indexing", "le", "load", "lt", "sub", "to_dtype")
+MASK_OPS: tuple[str, ...] = (
+    "bitwise_and",
+    "bitwise_or",  # the attention sink: within the window or among the first positions
+    "eq",
+    "indirect_indexing",
+    "le",
+    "load",
+    "lt",
+    "sub",
+    "to_dtype",
+)
 HANDLER_OPS = frozenset({"load", "indirect_indexing"})
 OVERRIDES_MODULE = "torch._inductor.codegen.cutedsl.cutedsl_op_overrides"
 HANDLER_MODULE = "torch._inductor.codegen.cutedsl.cutedsl_kernel"

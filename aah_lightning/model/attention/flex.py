@@ -99,12 +99,12 @@ def cpu_makespan(tiles_per_item: Tensor, threads: int) -> float:
     return max(items[t * chunk : (t + 1) * chunk].sum().item() for t in range(threads))
 
 
-def cpu_head_order(windows_row: Tensor, seq_len: int, block_size: int, threads: int) -> list[int] | None:
+def cpu_head_order(windows_row: Tensor, seq_len: int, block_size: int, threads: int, sink: int = 0) -> list[int] | None:
     """The balanced head order for the CPU flex kernel, or None when it would not shorten the busiest thread's work
     by at least 5 % for ``threads`` threads at batch 1 (the permutation costs four copies of q, k, v, out)."""
     if threads < 2:
         return None
-    partial, full = window_tiles(windows_row, seq_len, block_size)
+    partial, full = window_tiles(windows_row, seq_len, block_size, sink)
     per_item = (partial | full).sum(-1)  # [H, n_q]: tiles each (head, q-tile) item visits
     order = balanced_order(per_item.sum(-1).tolist(), threads)
     if cpu_makespan(per_item[order], threads) > 0.95 * cpu_makespan(per_item, threads):
@@ -126,6 +126,7 @@ class FlexPlan(Plan):
     inverse: Tensor | None = None
     options: dict | str | None = None
     arch: tuple[int, int] | None = None
+    sink: int = 0
     kind = "flex"
 
     def kernel_options(self, q: Tensor) -> dict | None:
@@ -158,20 +159,22 @@ def device_arch(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def build_flex_plan(row, seq_len, doc_ids, device, block_size, options=None, balance=True) -> FlexPlan:
+def build_flex_plan(row, seq_len, doc_ids, device, block_size, options=None, balance=True, sink=0) -> FlexPlan:
     """The flex plan of one layer: per-batch BlockMask with documents; on CPU, with ``balance``, the heads in the
     balanced order where it helps."""
     row_t = torch.tensor(row, dtype=torch.int32, device=device)  # a private copy: the live table may change
     arch = device_arch(device)
     if doc_ids is not None:
-        return FlexPlan(row, seq_len, masks.document_block_mask(row_t, doc_ids, block_size), options=options, arch=arch)
+        block_mask = masks.document_block_mask(row_t, doc_ids, block_size, sink)
+        return FlexPlan(row, seq_len, block_mask, options=options, arch=arch, sink=sink)
     if device.type == "cpu" and balance:
-        order = cpu_head_order(row_t, seq_len, block_size, torch.get_num_threads())
+        order = cpu_head_order(row_t, seq_len, block_size, torch.get_num_threads(), sink)
         if order is not None:
             order = torch.tensor(order, device=device)
-            block_mask = masks.window_block_mask(row_t[order], seq_len, block_size)
-            return FlexPlan(row, seq_len, block_mask, order, torch.argsort(order), options, arch)
-    return FlexPlan(row, seq_len, masks.window_block_mask(row_t, seq_len, block_size), options=options, arch=arch)
+            block_mask = masks.window_block_mask(row_t[order], seq_len, block_size, sink)
+            return FlexPlan(row, seq_len, block_mask, order, torch.argsort(order), options, arch, sink)
+    block_mask = masks.window_block_mask(row_t, seq_len, block_size, sink)
+    return FlexPlan(row, seq_len, block_mask, options=options, arch=arch, sink=sink)
 
 
 @register
@@ -189,8 +192,8 @@ class FlexBackend(Backend):
             )
         return AVAILABLE
 
-    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
-        return build_flex_plan(row, seq_len, doc_ids, device, block_size, self.options)
+    def build(self, row, seq_len, doc_ids, *, device, block_size, sink=0) -> Plan:
+        return build_flex_plan(row, seq_len, doc_ids, device, block_size, self.options, sink=sink)
 
     def cache_key(self, device) -> tuple:
         return (torch.get_num_threads(),) if device.type == "cpu" else ()  # the CPU head order depends on threads

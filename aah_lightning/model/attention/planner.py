@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
-from aah_lightning.model.attention.registry import Plan, get_backend
+from aah_lightning.model.attention.registry import BackendUnavailable, Plan, get_backend
 from aah_lightning.model.attention.sdpa import CausalPlan
 
 
@@ -18,7 +20,7 @@ class AttentionPlanner:
     layers whose row changed get new plans. Entries are keyed by row contents, so identical rows share one plan.
 
     A layer whose heads all have ``W >= T`` (and no document mask) runs ``CausalPlan`` under every backend: that is
-    the same mask, and the fused causal kernels are the fastest way to compute it.
+    the same mask (a sink changes nothing there), and the fused causal kernels are the fastest way to compute it.
     """
 
     def __init__(self, block_size: int = 128):
@@ -37,8 +39,10 @@ class AttentionPlanner:
             self._cache = {k: v for k, v in self._cache.items() if k[1] in live}
         return self._rows
 
-    def plans(self, windows: Tensor, seq_len: int, backend: str, doc_ids: Tensor | None = None) -> list[Plan]:
-        """One plan per layer for the resolved ``backend`` (see ``registry.resolve_backend``)."""
+    def plans(
+        self, windows: Tensor, seq_len: int, backend: str, doc_ids: Tensor | None = None, sink: int = 0
+    ) -> list[Plan]:
+        """One plan per layer for the resolved ``backend`` (see ``registry.resolve_backend``) and attention sink."""
         device = windows.device
         impl = get_backend(backend)
         plans = []
@@ -46,14 +50,22 @@ class AttentionPlanner:
             if doc_ids is None and min(row) >= seq_len:
                 plans.append(CausalPlan(row, seq_len))
             elif doc_ids is not None:  # depends on the batch: built every call, never cached
-                plans.append(self._build(impl, row, seq_len, device, doc_ids))
+                plans.append(self._build(impl, row, seq_len, device, doc_ids, sink))
             else:
-                key = (backend, row, seq_len, device, impl.cache_key(device))
+                key = (backend, row, seq_len, device, impl.cache_key(device), sink)
                 if key not in self._cache:
-                    self._cache[key] = self._build(impl, row, seq_len, device, None)
+                    self._cache[key] = self._build(impl, row, seq_len, device, None, sink)
                 plans.append(self._cache[key])
         return plans
 
-    def _build(self, impl, row, seq_len, device, doc_ids) -> Plan:
+    def _build(self, impl, row, seq_len, device, doc_ids, sink) -> Plan:
         self.builds += 1
-        return impl.build(row, seq_len, doc_ids, device=torch.device(device), block_size=self.block_size)
+        extra = {}
+        if sink:  # a backend written before sinks existed builds without one; it cannot run a model with a sink
+            if "sink" not in inspect.signature(impl.build).parameters:
+                raise BackendUnavailable(
+                    f"model.gpt.backend={impl.name} takes no attention sink (its build has no sink argument): "
+                    f"model.aah.sink={sink} needs a backend that does"
+                )
+            extra["sink"] = sink
+        return impl.build(row, seq_len, doc_ids, device=torch.device(device), block_size=self.block_size, **extra)

@@ -4,8 +4,11 @@ A **backend** is one module in this package that defines a ``Backend`` subclass 
 ``@register``. It answers two questions:
 
 * ``available(device, needs_grad) -> Availability``: can it run here (true/false, with the reason when not)?
-* ``build(row, seq_len, doc_ids, device=..., block_size=...) -> Plan``: the executable attention of one layer whose
-  heads have the windows ``row`` (a tuple of ints), built once per window row (or per batch with documents).
+* ``build(row, seq_len, doc_ids, device=..., block_size=..., sink=...) -> Plan``: the executable attention of one
+  layer whose heads have the windows ``row`` (a tuple of ints) and the model's attention sink (``sink``: the first
+  ``sink`` positions stay visible to every windowed head), built once per window row (or per batch with documents).
+  ``sink`` is passed only when it is above 0: a backend whose ``build`` has no ``sink`` argument runs models
+  without one and refuses the others with one line.
 
 A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of attention (the plan contract):
 
@@ -27,7 +30,8 @@ A **plan** is one layer's attention, and the one thing ``GPT.forward`` asks of a
   for. The block's module hooks still run (FSDP2 gathers a sharded block's weights for it).
 
 ``LayerPlan`` is this contract as a typed protocol. The backends' plans (``Plan`` subclasses, built here) compute exactly the attention of ``masks.window_mask_mod``:
-query q sees key kv iff ``0 <= q - kv < W[h]`` (and, with documents, both are in the same document). Diagnostics ask
+query q sees key kv iff ``kv <= q`` and (``q - kv < W[h]`` or ``kv`` is among the first ``sink`` positions), and, with
+documents, both are in the same document (whose first ``sink`` positions are then the sink). Diagnostics ask
 them what they cost instead of testing their type: ``tile_counts(block_size)`` (partial, full and causal tiles),
 ``pairs()`` (in-window pairs) and ``computed_pairs(block_size)`` (the pairs its kernel computes). Callers of
 ``GPT.forward`` may pass plans of their own (``plans=``, one per layer), most often wrapping these: the probe's
@@ -96,6 +100,7 @@ class Plan:
     carry ``row`` (the layer's windows, ints) and ``seq_len``, and implement ``__call__``."""
 
     kind: str = "plan"
+    sink: int = 0  # the model's attention sink (plans that take one set it as a field)
     eager: bool = False  # True: GPT.forward runs this layer's block uncompiled
     head_groups: HeadGroups | None = None  # set: the layer runs the groups itself, moving weights, not activations
     row: tuple[int, ...]
@@ -107,11 +112,12 @@ class Plan:
     def tile_counts(self, block_size: int) -> TileCounts:
         """Tiles a block-sparse kernel visits for this layer; analytic at ``block_size`` unless the plan holds the
         BlockMask its kernel runs with."""
-        return tile_counts(self.row, self.seq_len, block_size)
+        return tile_counts(self.row, self.seq_len, block_size, self.sink)
 
     def pairs(self) -> int:
-        """In-window causal (query, key) pairs of the layer's heads, per sequence (documents not subtracted)."""
-        return sum(window_pairs(w, self.seq_len) for w in self.row)
+        """In-window causal (query, key) pairs of the layer's heads, sink pairs included, per sequence (documents not
+        subtracted)."""
+        return sum(window_pairs(w, self.seq_len, self.sink) for w in self.row)
 
     def computed_pairs(self, block_size: int) -> int:
         """(query, key) pairs the kernel computes per sequence, masked ones included; a tiled kernel computes every
@@ -143,7 +149,14 @@ class Backend:
         return AVAILABLE
 
     def build(
-        self, row: tuple[int, ...], seq_len: int, doc_ids: Tensor | None, *, device: torch.device, block_size: int
+        self,
+        row: tuple[int, ...],
+        seq_len: int,
+        doc_ids: Tensor | None,
+        *,
+        device: torch.device,
+        block_size: int,
+        sink: int = 0,
     ) -> Plan:
         raise NotImplementedError
 

@@ -33,6 +33,7 @@ class DensePlan(Plan):
     row: tuple[int, ...]
     seq_len: int
     mask: Tensor
+    sink: int = 0
     kind = "dense"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -46,7 +47,7 @@ class DensePlan(Plan):
 class SdpaBackend(Backend):
     name = "sdpa"
 
-    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
-        mask_mod = masks.window_mask_mod(torch.tensor(row, dtype=torch.int32, device=device), doc_ids)
+    def build(self, row, seq_len, doc_ids, *, device, block_size, sink=0) -> Plan:
+        mask_mod = masks.window_mask_mod(torch.tensor(row, dtype=torch.int32, device=device), doc_ids, sink)
         batch = 1 if doc_ids is None else doc_ids.shape[0]
-        return DensePlan(row, seq_len, masks.dense_mask(mask_mod, batch, len(row), seq_len, device))
+        return DensePlan(row, seq_len, masks.dense_mask(mask_mod, batch, len(row), seq_len, device), sink)

@@ -67,6 +67,7 @@ class SplitPlan(Plan):
     inverse: Tensor | None
     sizes: tuple[int, ...]
     parts: tuple[Plan, ...]
+    sink: int = 0
     kind = "split"
 
     @property
@@ -101,7 +102,9 @@ class SplitPlan(Plan):
         return sum(p.computed_pairs(block_size) for p in self.parts)
 
 
-def split_plan(row: tuple[int, ...], seq_len: int, keys: list, build_part, device, cls=SplitPlan) -> SplitPlan:
+def split_plan(
+    row: tuple[int, ...], seq_len: int, keys: list, build_part, device, cls=SplitPlan, sink: int = 0
+) -> SplitPlan:
     """Gather the heads of ``row`` by ``keys`` and build each group's plan with ``build_part(sub_row)``."""
     order, sizes = group_heads(keys)
     parts, start = [], 0
@@ -109,9 +112,9 @@ def split_plan(row: tuple[int, ...], seq_len: int, keys: list, build_part, devic
         parts.append(build_part(tuple(row[h] for h in order[start : start + size])))
         start += size
     if order == sorted(order):
-        return cls(row, seq_len, None, None, tuple(sizes), tuple(parts))
+        return cls(row, seq_len, None, None, tuple(sizes), tuple(parts), sink)
     perm = torch.tensor(order, device=device)
-    return cls(row, seq_len, perm, torch.argsort(perm), tuple(sizes), tuple(parts))
+    return cls(row, seq_len, perm, torch.argsort(perm), tuple(sizes), tuple(parts), sink)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,12 +126,12 @@ class AnyHeadsFlexPlan(flex.FlexPlan):
         return attend(q, k, v, block_mask=self.block_mask, kernel_options=self.kernel_options(q))
 
 
-def windowed_plan(row, seq_len, doc_ids, device, block_size, kernel: str) -> Plan:
+def windowed_plan(row, seq_len, doc_ids, device, block_size, kernel: str, sink: int = 0) -> Plan:
     """The windowed kernel's plan for a group of heads: ``"flex"`` (tuned options) or ``"banded"``."""
     if kernel == "banded":
-        return banded.build_plan(row, seq_len, doc_ids, device)
-    plan = flex.build_flex_plan(row, seq_len, doc_ids, device, block_size, options="tuned", balance=False)
-    return AnyHeadsFlexPlan(plan.row, seq_len, plan.block_mask, options=plan.options, arch=plan.arch)
+        return banded.build_plan(row, seq_len, doc_ids, device, sink)
+    plan = flex.build_flex_plan(row, seq_len, doc_ids, device, block_size, options="tuned", balance=False, sink=sink)
+    return AnyHeadsFlexPlan(plan.row, seq_len, plan.block_mask, options=plan.options, arch=plan.arch, sink=sink)
 
 
 @register
@@ -149,14 +152,14 @@ class SplitBackend(Backend):
             return get_backend("flex").available(device, needs_grad)
         return super().available(device, needs_grad)
 
-    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
+    def build(self, row, seq_len, doc_ids, *, device, block_size, sink=0) -> Plan:
         kernel = self.kernel(device)
 
         def part(sub_row):
             if doc_ids is None and min(sub_row) >= seq_len:
                 return CausalPlan(sub_row, seq_len)
-            return windowed_plan(sub_row, seq_len, doc_ids, device, block_size, kernel)
+            return windowed_plan(sub_row, seq_len, doc_ids, device, block_size, kernel, sink)
 
         if doc_ids is not None:  # every head needs the document mask: one group
-            return split_plan(row, seq_len, [0] * len(row), part, device)
-        return split_plan(row, seq_len, [w >= seq_len for w in row], part, device)
+            return split_plan(row, seq_len, [0] * len(row), part, device, sink=sink)
+        return split_plan(row, seq_len, [w >= seq_len for w in row], part, device, sink=sink)

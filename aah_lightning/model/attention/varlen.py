@@ -9,6 +9,10 @@ our W keys ``0 <= q - kv < W`` are ``left = W - 1``, ``right = 0``. The batch is
 full windows runs through varlen too (``window_size=(-1, 0)``: causal). That needs every document to be one
 contiguous run of positions in its row (what packing produces), checked when the plan is built. Under grouped-query
 attention the groups' plans receive one key/value head per query head (``SplitPlan`` and the layer expand them).
+
+FlashAttention has no sink of positions: with ``model.aah.sink`` each windowed group runs one custom op
+(``aah::varlen_sink_forward`` / ``_backward``) around torch's FlashAttention ops, which merges the sink keys into the
+kernel's result through its log-sum-exp (``sinks.py``); ``kernel_forward`` and ``kernel_backward`` are those two calls.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from aah_lightning.model.attention import sinks
 from aah_lightning.model.attention.registry import AVAILABLE, Availability, Backend, Plan, register
 from aah_lightning.model.attention.sdpa import CausalPlan
 from aah_lightning.model.attention.split import SplitPlan, split_plan
@@ -52,6 +57,75 @@ def document_segments(doc_ids: Tensor, backend: str = "varlen") -> tuple[Tensor,
     return bounds.to(torch.int32), int(bounds.diff().max())
 
 
+def kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, window_size):
+    """torch's FlashAttention varlen forward: ``(out, lse [heads, tokens])``."""
+    causal = tuple(window_size) == (-1, 0)
+    out, lse, _ = torch.ops.torch_attn._varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal, None, list(window_size)
+    )
+    return out, lse
+
+
+def kernel_backward(dout, q, k, v, out, lse, cu_seqlens: Tensor, max_len: int, window_size):
+    """torch's FlashAttention varlen backward from the ``out`` and ``lse`` handed in: ``(dq, dk, dv)``."""
+    causal = tuple(window_size) == (-1, 0)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+    return torch.ops.torch_attn._varlen_attn_backward(
+        dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_len, max_len, causal, rng, None, list(window_size)
+    )
+
+
+@torch.library.custom_op("aah::varlen_sink_forward", mutates_args=())
+def varlen_sink_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, window: int, sink: int
+) -> tuple[Tensor, Tensor]:
+    out, lse = kernel_forward(q, k, v, cu_seqlens, max_len, (window - 1, 0))
+    out, lse = sinks.merge_sink(q, k, v, out, lse, cu_seqlens, window, sink)
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_sink_forward.register_fake
+def _(q, k, v, cu_seqlens, max_len, window, sink):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("aah::varlen_sink_backward", mutates_args=())
+def varlen_sink_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    max_len: int,
+    window: int,
+    sink: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dout = dout.contiguous()
+    band = kernel_backward(dout, q, k, v, out, lse, cu_seqlens, max_len, (window - 1, 0))  # the merged out and lse
+    return tuple(g.contiguous() for g in sinks.sink_grads(dout, q, k, v, out, lse, cu_seqlens, window, sink, band))
+
+
+@varlen_sink_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, max_len, window, sink):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, ctx.max_len, ctx.window, ctx.sink = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+    dq, dk, dv = varlen_sink_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.max_len, ctx.window, ctx.sink)
+    return dq, dk, dv, None, None, None, None
+
+
+varlen_sink_forward.register_autograd(_backward, setup_context=_setup)
+
+
 @dataclass(frozen=True, eq=False)
 class VarlenGroupPlan(Plan):
     """One ``varlen_attn`` call for heads that share a window. ``cu_seqlens``/``max_len``: the document sequences,
@@ -62,6 +136,7 @@ class VarlenGroupPlan(Plan):
     window_size: tuple[int, int]
     cu_seqlens: Tensor | None = None
     max_len: int | None = None
+    sink: int = 0
     kind = "varlen"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -71,7 +146,11 @@ class VarlenGroupPlan(Plan):
         else:
             cu, longest = self.cu_seqlens, self.max_len
         tokens = [x.transpose(1, 2).reshape(B * T, h, D) for x in (q, k, v)]
-        out = varlen_attn(*tokens, cu, cu, longest, longest, window_size=self.window_size)
+        left = self.window_size[0]
+        if self.sink and left >= 0:  # a windowed group with a sink
+            out, _ = varlen_sink_forward(*tokens, cu, longest, left + 1, self.sink)
+        else:
+            out = varlen_attn(*tokens, cu, cu, longest, longest, window_size=self.window_size)
         return out.view(B, T, h, D).transpose(1, 2)
 
 
@@ -79,7 +158,7 @@ class VarlenPlan(SplitPlan):
     kind = "varlen"
 
 
-def window_group_plan(row, seq_len, doc_ids, device, backend: str, group_plan, cls) -> SplitPlan:
+def window_group_plan(row, seq_len, doc_ids, device, backend: str, group_plan, cls, sink: int = 0) -> SplitPlan:
     """Heads grouped by window, ``group_plan(sub_row, cu_seqlens, max_len)`` for each group (one sliding-window call);
     without documents a group whose window covers the sequence runs fused causal SDPA. ``cls``: the grouped plan's
     class (its ``kind``). Shared by ``varlen`` and ``fa4_window``."""
@@ -90,7 +169,7 @@ def window_group_plan(row, seq_len, doc_ids, device, backend: str, group_plan, c
             return CausalPlan(sub_row, seq_len)
         return group_plan(sub_row, *segments)
 
-    return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, cls)
+    return split_plan(row, seq_len, [min(w, seq_len) for w in row], part, device, cls, sink)
 
 
 @register
@@ -106,8 +185,8 @@ class VarlenBackend(Backend):
             return Availability(False, f"varlen attention (FlashAttention) runs on CUDA only, not {device.type}")
         return AVAILABLE
 
-    def build(self, row, seq_len, doc_ids, *, device, block_size) -> Plan:
+    def build(self, row, seq_len, doc_ids, *, device, block_size, sink=0) -> Plan:
         def group(sub_row, cu_seqlens, max_len):
-            return VarlenGroupPlan(sub_row, seq_len, flash_window(sub_row[0], seq_len), cu_seqlens, max_len)
+            return VarlenGroupPlan(sub_row, seq_len, flash_window(sub_row[0], seq_len), cu_seqlens, max_len, sink)
 
-        return window_group_plan(row, seq_len, doc_ids, device, self.name, group, VarlenPlan)
+        return window_group_plan(row, seq_len, doc_ids, device, self.name, group, VarlenPlan, sink)

@@ -50,7 +50,7 @@ class AdaptivePolicy(WindowPolicy):
         self.layout = features.FeatureLayout(len(self.candidates))
         self.allocator = make_allocator(c.allocation, n_layer, self.candidates, cfg.seed)
         self.signal = signal_class(c.need.signal)(c.need, self.candidates, seq_len)
-        self.budget = Budget(c.budget, self.candidates, seq_len, n_layer)
+        self.budget = Budget(c.budget, self.candidates, seq_len, n_layer, cfg.sink)
         self.reach_first = reach.ReachFirst(c.reach, self.candidates, n_layer, n_head, self.budget.table_cost)
         self.grouper = Grouper(c.groups, n_layer, n_head, cfg.seed + 1)
         # Level l of the hierarchy is cut at threshold * growth**l.
@@ -78,7 +78,7 @@ class AdaptivePolicy(WindowPolicy):
             f"one of {', '.join(sorted(ALLOCATORS))}",
         )
         signal = signal_class(c.need.signal)  # a registered name or module:name, else one error line
-        c.validate(candidates, seq_len, n_head)
+        c.validate(candidates, seq_len, n_head, cfg.sink)
         target = c.budget.target()
         require(  # a need that is not a mass share has no coverage target to stop at: only a budget limits reach
             signal.capped or target is not None,
@@ -87,7 +87,7 @@ class AdaptivePolicy(WindowPolicy):
             "only with a budget (target_acr or target_causal_coverage): without one nothing limits reach",
         )
         if c.reach.heads and target is not None:  # the kept reach must fit the target beside the narrowest rest
-            costs = Budget(c.budget, candidates, seq_len, n_layer).costs
+            costs = Budget(c.budget, candidates, seq_len, n_layer, cfg.sink).costs
             unit = n_head * (n_layer if c.budget.scope == "model" else 1)
             reach.check_kept_reach_fits(c.reach, target[1], candidates, costs, unit)
 
@@ -200,6 +200,7 @@ class AdaptivePolicy(WindowPolicy):
             features=self.ema[layer],
             candidates=self.candidates,
             seq_len=self.seq_len,
+            sink=self.budget.sink,
             coverage_target=c.allocation.coverage_target,
             parent_constraint=c.allocation.parent_constraint,
             layer=layer,

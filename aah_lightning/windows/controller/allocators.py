@@ -42,6 +42,7 @@ class LayerInputs:
     capped: ``profile`` is a mass share, so a group never goes wider than the window holding ``coverage_target`` of
         it. False when ``profile`` holds another need signal (the ``gain`` signal's loss decrease): every candidate is
         open and the budget alone decides.
+    sink: the model's attention sink (``model.aah.sink``): a budget pays for its pairs too.
     """
 
     hierarchy: Hierarchy
@@ -56,6 +57,7 @@ class LayerInputs:
     settle_margin: float | Tensor = 0.0
     floors: list[int] | None = None
     capped: bool = True
+    sink: int = 0
 
 
 def needed_index(profile: Tensor, target: float) -> int:

@@ -6,7 +6,8 @@ maximises the kept attention mass counted over heads, ``sum_g s_g * p_g[j_g]``, 
 ``sum_g s_g * cost[j_g] <= ceiling``, where the ceiling is ``budget * n_head`` for each layer on its own
 (``budget_scope: layer``) or ``budget * n_layer * n_head`` for all layers together (``budget_scope: model``). This
 is a multiple-choice knapsack, solved exactly by dynamic programming over the integer total cost: a head's ACR cost is
-``min(W, T) / T`` and its causal-coverage cost ``pairs(W, T) / (T (T + 1) / 2)`` with an integer numerator, so costs
+``min(W, T) / T`` and its causal-coverage cost ``pairs(W, T) / (T (T + 1) / 2)`` with an integer numerator (with an
+attention sink, ``(min(W, T) T + sink_pairs) / T^2`` and ``(pairs + sink_pairs) / (T (T + 1) / 2)``), so costs
 are integers in units of their greatest common divisor (at T = 4096 with candidates T/8..T, a 16 x 12 model's budget
 is at most 1,536 units). Budgets above ``MAX_UNITS`` units (causal coverage of large models) are solved on a coarser
 grid with every cost rounded *up*, so the choice still never exceeds the budget and loses at most one grid unit per
@@ -33,19 +34,23 @@ from functools import reduce
 import numpy as np
 from torch import Tensor
 
+from aah_lightning.model.window_math import sink_pairs, window_pairs
 from aah_lightning.windows.controller.allocators import LayerInputs, needed_index
 
 # Above this many budget units the knapsack runs on a coarser grid (memory: one byte per unit and group).
 MAX_UNITS = 1 << 16
 
 
-def integer_costs(candidates: list[int], seq_len: int, measure: str) -> tuple[list[int], int]:
-    """Per-head cost of each candidate as an integer numerator, and the denominator of the normalised measure."""
+def integer_costs(candidates: list[int], seq_len: int, measure: str, sink: int = 0) -> tuple[list[int], int]:
+    """Per-head cost of each candidate as an integer numerator, and the denominator of the normalised measure (the
+    attention sink's pairs included: ``metrics.window_costs`` exactly)."""
     clipped = [min(c, seq_len) for c in candidates]
     if measure == "acr":
-        return clipped, seq_len
+        if not sink:
+            return clipped, seq_len
+        return [w * seq_len + sink_pairs(w, sink, seq_len) for w in clipped], seq_len * seq_len
     if measure == "causal_coverage":
-        return [w * (w + 1) // 2 + (seq_len - w) * w for w in clipped], seq_len * (seq_len + 1) // 2
+        return [window_pairs(w, seq_len, sink) for w in clipped], seq_len * (seq_len + 1) // 2
     raise ValueError(f"unknown budget measure {measure!r}")
 
 
@@ -105,7 +110,7 @@ def allocate_within_budget(
 def _knapsack_over(layers: list[LayerInputs], measure: str, budget: float) -> list[list[list[int]]]:
     """One knapsack over the level-0 groups of ``layers`` with the ceiling ``budget`` per head on average."""
     first = layers[0]
-    per_head, denominator = integer_costs(first.candidates, first.seq_len, measure)
+    per_head, denominator = integer_costs(first.candidates, first.seq_len, measure, first.sink)
     n_heads = sum(inp.profile.shape[0] for inp in layers)
     capacity = math.floor(budget * n_heads * denominator * (1 + 1e-12))  # the ceiling as an integer numerator
     unit = reduce(math.gcd, per_head)

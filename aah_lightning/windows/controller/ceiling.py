@@ -48,13 +48,14 @@ class RunSpend:
 
 class Budget:
     """The controller's compute budget (``settings``: ``BudgetConfig``, a measure and a per-head target; None: no
-    budget, and tables are costed by ACR). ``spend`` counts what the run paid, from the cost of the first table."""
+    budget, and tables are costed by ACR). ``spend`` counts what the run paid, from the cost of the first table.
+    ``sink``: the model's attention sink, whose pairs every cost includes (the budget pays for them)."""
 
-    def __init__(self, settings: BudgetConfig, candidates: list[int], seq_len: int, n_layer: int):
-        self.settings, self.seq_len, self.n_layer = settings, seq_len, n_layer
+    def __init__(self, settings: BudgetConfig, candidates: list[int], seq_len: int, n_layer: int, sink: int = 0):
+        self.settings, self.seq_len, self.n_layer, self.sink = settings, seq_len, n_layer, sink
         self.target = settings.target()  # (measure, per-head target) or None
         self.costs: Tensor | None = (
-            None if self.target is None else metrics.window_costs(candidates, seq_len, self.target[0])
+            None if self.target is None else metrics.window_costs(candidates, seq_len, self.target[0], sink)
         )
         self.candidates = candidates
         self.run_steps: int | None = None  # the run's length in optimizer steps, once training starts
@@ -71,8 +72,8 @@ class Budget:
     def table_cost(self, table: Tensor) -> float:
         """Mean per-head cost of ``table`` in the budget's measure (ACR without a budget)."""
         if self.measure == "causal_coverage":
-            return float(metrics.causal_coverage(table, self.seq_len))
-        return float(metrics.acr(table, self.seq_len))
+            return float(metrics.causal_coverage(table, self.seq_len, self.sink))
+        return float(metrics.acr(table, self.seq_len, self.sink))
 
     def units(self) -> list[list[int]]:
         """The layers that share one budget: all of them with ``scope: model``, else each layer alone."""
