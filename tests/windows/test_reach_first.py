@@ -185,21 +185,25 @@ def test_the_gain_signal_state_survives_a_checkpoint():
     assert again.report().need_signal == "gain" and torch.equal(again.report().need, policy.report().need)
 
 
-def test_gain_under_grouped_query_attention_is_the_measured_loss_change():
+@pytest.mark.parametrize("sink", [0, 3])
+def test_gain_under_grouped_query_attention_is_the_measured_loss_change(sink):
     """With 2 key/value heads for 4 query heads, the gain of one query head's window is the loss change of that
-    head alone at that window (its key/value head shared with another query head stays as it is)."""
+    head alone at that window (its key/value head shared with another query head stays as it is); with an attention
+    sink, the head's measured window keeps the sink as the model's own forward does."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=1, n_head=HEADS, n_kv_head=2, n_embd=64))
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=1, n_head=HEADS, n_kv_head=2, n_embd=64), sink)
     model.set_windows(torch.tensor([[32, 4, 16, 4]]))
     batch = copy_batch(torch.Generator().manual_seed(3), n=2)
     tokens, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
     _, gain, _ = run_gain_probe(model, tokens, targets, None, batch["loss_mask"], CANDS, n_sequences=2, n_queries=8)
-    with torch.no_grad():
-        losses = []
-        for w in (4, 32):
+    def measured(w):
+        with torch.no_grad():
             model.set_windows(torch.tensor([[32, 4, w, 4]]))
-            losses.append(float(loss_of(model, batch)))
+            return float(loss_of(model, batch))
+
+    losses = [measured(4), measured(32)]
     assert float(gain[0, 2, -1]) == pytest.approx(losses[0] - losses[1], abs=1e-5)
+    assert float(gain[0, 2, 1]) == pytest.approx(losses[0] - measured(8), abs=1e-5)  # 8 < T: the sink counts
 
 
 def test_even_fill_holds_one_window_for_the_other_heads_while_the_explorers_form():

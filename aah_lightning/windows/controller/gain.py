@@ -29,17 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aah_lightning.model import masks
 from aah_lightning.windows.probe import ProbeResult, run_probe
 
 
-def one_head_attention(q: Tensor, k: Tensor, v: Tensor, window: int, docs: Tensor | None) -> Tensor:
-    """Causal softmax attention of one head (``[n, 1, T, D]``) within ``window``, in fp32, in the input's dtype."""
-    T = q.shape[2]
-    pos = torch.arange(T, device=q.device)
-    dist = pos.view(-1, 1) - pos.view(1, -1)
-    allowed = ((dist >= 0) & (dist < window)).view(1, 1, T, T)
-    if docs is not None:  # within the query's document, as the training mask
-        allowed = allowed & (docs.unsqueeze(-1) == docs.unsqueeze(1)).unsqueeze(1)
+def one_head_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, docs: Tensor | None, sink: int = 0
+) -> Tensor:
+    """Causal softmax attention of one head (``[n, 1, T, D]``) within ``window`` and the model's ``sink`` (the mask of
+    ``masks.window_mask_mod``, as every backend computes it), in fp32, in the input's dtype."""
+    n, _, T, _ = q.shape
+    row = torch.tensor([window], device=q.device)
+    allowed = masks.dense_mask(masks.window_mask_mod(row, docs, sink), 1 if docs is None else n, 1, T, q.device)
     scores = q.float() @ k.float().transpose(-1, -2) * q.shape[-1] ** -0.5
     return (torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v.float()).to(q.dtype)
 
@@ -53,15 +54,15 @@ class OneHeadWindow:
     eager = True
     head_groups = None
 
-    def __init__(self, inner, head: int, window: int, docs: Tensor | None):
-        self.inner, self.head, self.window, self.docs = inner, head, window, docs
+    def __init__(self, inner, head: int, window: int, docs: Tensor | None, sink: int = 0):
+        self.inner, self.head, self.window, self.docs, self.sink = inner, head, window, docs, sink
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         y = self.inner(q, k, v).clone()
         h = slice(self.head, self.head + 1)
         kv = self.head // (q.shape[1] // k.shape[1])  # under grouped-query attention: the head's key/value head
         kv = slice(kv, kv + 1)
-        y[:, h] = one_head_attention(q[:, h], k[:, kv], v[:, kv], self.window, self.docs)
+        y[:, h] = one_head_attention(q[:, h], k[:, kv], v[:, kv], self.window, self.docs, self.sink)
         return y
 
 
@@ -108,7 +109,7 @@ def run_gain_probe(
                         losses.append(base)
                         continue
                     plans = list(model.attention_plans(T, docs))
-                    plans[layer] = OneHeadWindow(plans[layer], head, w, docs)
+                    plans[layer] = OneHeadWindow(plans[layer], head, w, docs, getattr(model, "sink", 0))
                     losses.append(_token_losses(model, tokens, targets, docs, plans)[counted].double())
                 for j, lj in enumerate(losses):
                     gain[layer, head, j] = (losses[0] - lj).mean()
