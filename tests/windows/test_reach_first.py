@@ -196,6 +196,7 @@ def test_gain_under_grouped_query_attention_is_the_measured_loss_change(sink):
     batch = copy_batch(torch.Generator().manual_seed(3), n=2)
     tokens, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
     _, gain, _ = run_gain_probe(model, tokens, targets, None, batch["loss_mask"], CANDS, n_sequences=2, n_queries=8)
+
     def measured(w):
         with torch.no_grad():
             model.set_windows(torch.tensor([[32, 4, w, 4]]))

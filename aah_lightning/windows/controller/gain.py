@@ -33,9 +33,7 @@ from aah_lightning.model import masks
 from aah_lightning.windows.probe import ProbeResult, run_probe
 
 
-def one_head_attention(
-    q: Tensor, k: Tensor, v: Tensor, window: int, docs: Tensor | None, sink: int = 0
-) -> Tensor:
+def one_head_attention(q: Tensor, k: Tensor, v: Tensor, window: int, docs: Tensor | None, sink: int = 0) -> Tensor:
     """Causal softmax attention of one head (``[n, 1, T, D]``) within ``window`` and the model's ``sink`` (the mask of
     ``masks.window_mask_mod``, as every backend computes it), in fp32, in the input's dtype."""
     n, _, T, _ = q.shape
