@@ -194,6 +194,15 @@ class AAHModule(L.LightningModule):
         if self._source is not None:
             retrofit.check_source(gpt, self._source)  # one line naming what differs, before anything is built
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
+        groups = aah.controller.groups
+        if aah.policy == "adaptive" and groups.method == "kv_heads":  # groups of the model's own key/value heads
+            n_kv = gpt.n_kv_head or n_head
+            require(
+                groups.kv_heads == n_kv,
+                "model.aah.controller.groups.kv_heads",
+                groups.kv_heads,
+                f"the model's n_kv_head, {n_kv} (model.gpt.n_kv_head)",
+            )
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
         self.model = GPT(self.gpt_config, sink=aah.sink)  # validated by make_policy
         self.model.set_windows(self.policy.initial_table())

@@ -150,3 +150,17 @@ def test_kv_head_groups_give_each_key_value_head_one_window():
     settings.groups.kv_heads = 4
     with pytest.raises(ConfigError, match="model.aah.controller.groups.kv_heads=4 .*divides n_head=6"):
         AAHConfig(policy="adaptive", candidates=[8, 64], controller=settings).validate(T, 2, 6)
+
+
+def test_a_run_refuses_kv_head_groups_of_another_count_than_its_model():
+    from aah_lightning.lit.module import AAHModule
+    from aah_lightning.model.config import GPTConfig as Config
+
+    gpt = Config(vocab_size=32, seq_len=T, n_layer=1, n_head=6, n_kv_head=3, n_embd=48)
+    controller = {"groups": {"method": "kv_heads", "kv_heads": 2, "depth": 1}, "budget": {"target_acr": 0.5}}
+    controller |= {"need": {"signal": "retrieval", "copy_span": SPAN}}
+    aah = AAHConfig(policy="adaptive", candidates=[8, 64], controller=controller)
+    with pytest.raises(ConfigError, match=r"groups.kv_heads=2 .*the model's n_kv_head, 3"):
+        AAHModule(gpt=gpt, aah=aah)
+    controller["groups"]["kv_heads"] = 3
+    AAHModule(gpt=gpt, aah=AAHConfig(policy="adaptive", candidates=[8, 64], controller=controller))
