@@ -39,7 +39,7 @@ def test_help_lists_the_choices(capsys):
     allocator = aah[aah.index("  --model.aah.controller.allocation.allocator ALLOCATOR") :][:300]
     assert "``reach``" in allocator and "``paper``" in allocator
     for option in (
-        "groups.method {cluster,none,fixed_random}",
+        "groups.method {cluster,none,fixed_random,kv_heads}",
         "groups.metric {euclidean,cosine}",
         "groups.feature_set {paper,reach,all}",
         "budget.scope {layer,model}",

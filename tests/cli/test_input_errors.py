@@ -434,7 +434,7 @@ ADAPTIVE = ("--model.aah.policy", "adaptive")
     [
         ("allocation.allocator", "greedy", "reach"),
         ("groups.feature_set", "everything", "paper, reach or all"),
-        ("groups.method", "kmeans", "cluster, none or fixed_random"),
+        ("groups.method", "kmeans", "one of cluster, none, fixed_random or kv_heads"),
     ],
 )
 def test_unknown_controller_choice(tmp_path, capsys, setting, value, allowed):
