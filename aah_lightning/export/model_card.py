@@ -104,8 +104,9 @@ def kv_lines(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype, sink: in
         f"- KV cache per token of context at T = {kv.context} ({kind}, {groups}): **{kv.window:,.0f} B** with the "
         f"windows against **{kv.full:,.0f} B** for full attention: **{kv.kept:.3f}** of it kept, "
         f"a saving of **{100 * kv.saving:.1f} %**",
-        "- that is what aah's own generation allocates (its window KV cache: `tools/generate.py`, `aah predict`); "
-        "this folder's transformers model keeps every position in a `DynamicCache`, the full-attention figure",
+        "- that is what this folder's transformers model allocates in `generate` (its default cache, "
+        "`AAHWindowCache`), as aah's own generation does (`tools/generate.py`, `aah predict`); a `DynamicCache` "
+        "passed in keeps every position, the full-attention figure",
     ]
 
 
@@ -258,9 +259,9 @@ def render(
         "safety-tuned; it continues text and makes things up.",
         "- The tokenizer puts the end-of-document token first when it adds special tokens (the default): the model was "
         "trained on documents that each follow one. `add_special_tokens=False` gives the text's plain tokens.",
-        "- The key/value cache keeps every past position in a `DynamicCache` (the windows are applied by the mask), so "
-        'it uses as much memory as a model without windows; fixed-size caches (`cache_implementation="static"`, '
-        '`"sliding_window"`) are refused.',
+        "- The key/value cache of `generate` (`AAHWindowCache`) keeps per key/value head the sink positions and its "
+        'widest window, the figure above; a `DynamicCache` passed in (or `cache_implementation="dynamic"`) keeps '
+        'every position; fixed-size caches (`cache_implementation="static"`, `"sliding_window"`) are refused.',
         f"- Prompts longer than T = {gpt.seq_len}: this model reads them whole (the table still holds past T: heads "
         f"with W = T slide at T), while aah's own generation keeps their last T tokens. For aah's behaviour, pass "
         f"`ids[:, -{gpt.seq_len}:]`.",

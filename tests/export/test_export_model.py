@@ -172,8 +172,9 @@ def test_a_fixed_size_cache_is_refused_in_one_line(exported, make_module, cache)
     with pytest.raises(ValueError) as raised:
         hf.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=cache)
     assert str(raised.value) == (
-        f"aah models keep their keys and values in a DynamicCache (the default): cache_implementation={cache!r} "
-        "is not supported; leave cache_implementation unset"
+        "aah models keep their keys and values in their window cache (the default) or a DynamicCache "
+        f'(cache_implementation="dynamic"): cache_implementation={cache!r} is not supported; leave '
+        "cache_implementation unset"
     )
     from transformers import GenerationConfig
 
@@ -192,7 +193,10 @@ def test_a_fixed_size_cache_object_is_refused_in_one_line(exported, make_module)
         cache = StaticCache(config=hf.config, max_batch_size=1, max_cache_len=16)
     with pytest.raises(ValueError) as raised:
         hf(torch.tensor([[256, 100, 101]]), past_key_values=cache)
-    assert str(raised.value).startswith("aah models keep their keys and values in a DynamicCache (the default), not")
+    assert str(raised.value).startswith(
+        "aah models keep their keys and values in their window cache (AAHWindowCache, the default) or a DynamicCache, "
+        "not a StaticCache"
+    )
     assert "\n" not in str(raised.value)
 
 
