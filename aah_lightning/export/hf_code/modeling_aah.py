@@ -52,6 +52,8 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 _LAYERED = "layers" in inspect.signature(Cache.__init__).parameters
 # scaled_dot_product_attention reads one key/value head for several query heads itself from torch 2.5 on.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+# The masks one forward keeps for the layers after it (bytes): a decode step's all, a long prefill's first few.
+_MASK_MEMO_BYTES = 1 << 28
 # Generation modes that never take a cache back (assisted generation, contrastive search and DoLa do).
 _WINDOW_CACHE_MODES = (
     "greedy_search",
@@ -121,8 +123,8 @@ def window_mask(row: torch.Tensor, past: int, length: int, positions: torch.Tens
 
     A real token always sees itself (every window is at least 1), so only padding queries could be left without any
     key, which would make their attention NaN; they are given their own position (their outputs are never used)."""
-    query = torch.arange(past, past + length, device=row.device).view(1, 1, -1, 1)
-    distance = query - torch.arange(past + length, device=row.device).view(1, 1, 1, -1)
+    query = torch.arange(past, past + length, device=row.device, dtype=torch.int32).view(1, 1, -1, 1)
+    distance = query - torch.arange(past + length, device=row.device, dtype=torch.int32).view(1, 1, 1, -1)
     key = positions.view(positions.shape[0], 1, 1, -1)
     allowed = (key >= 0) & (distance >= 0) & ((distance < head_windows(row)) | (key < sink))
     return allowed | (distance == 0)
@@ -175,9 +177,9 @@ def slot_mask(
     the first ``fixed`` slots are sink slots, which count only for a column below ``low``, the oldest one the ring
     holds (until then the ring holds the same key). Otherwise as ``window_mask``."""
     slots = col.shape[1]
-    column = col.view(col.shape[0], 1, 1, slots)
+    column = col.to(torch.int32).view(col.shape[0], 1, 1, slots)  # int32: half the memory of a long prefill's mask
     key = pos.view(pos.shape[0], 1, 1, slots)
-    distance = torch.arange(past, past + length, device=col.device).view(1, 1, -1, 1) - column
+    distance = torch.arange(past, past + length, device=col.device, dtype=torch.int32).view(1, 1, -1, 1) - column
     in_ring = (torch.arange(slots, device=col.device) >= fixed).view(1, 1, 1, slots)
     usable = (key >= 0) & (in_ring | (column < low))
     allowed = usable & (distance >= 0) & ((distance < windows) | (key < sink))
@@ -305,11 +307,12 @@ class AAHWindowLayer:
             queries = [h for j in heads for h in range(j * group, (j + 1) * group)]
             self.groups.append(_HeadGroup(heads, queries, [row[h] for h in queries], width, len(heads) == n_kv_head))
 
-    def attend(self, q, k, v, positions: torch.Tensor, sink_rows: bool, eager: bool):
+    def attend(self, q, k, v, positions: torch.Tensor, sink_rows: bool, masks: dict, eager: bool):
         """Store this call's keys and values ``[B, Hkv, T, D]`` (rotated) of text ``positions`` ``[B or 1, T]``, and
         attend the queries ``[B, H, T, D]`` over what each key/value head holds: the output ``[B, H, T, D]`` and, with
         ``eager``, the weights over the columns so far ``[B, H, T, count]``. ``sink_rows``: some new token is among
-        its row's first ``sink``."""
+        its row's first ``sink``. ``masks``: the masks of this forward so far, by group: every layer holds the same
+        columns, so groups of one widest window and the same query windows in any layer have the same mask."""
         past, T = self.count, k.shape[2]
         count = past + T
         length = max(count, self.max_len or 0)  # generate sizes the cache once for the longest text it reaches
@@ -327,7 +330,12 @@ class AAHWindowLayer:
             else:  # the first call, a chunk that would overwrite keys its own queries need, or a longer text
                 keys, values, col, pos = g.joined(kg, vg, past, positions)
                 low = max(0, past - g.ring) if g.k is not None else 0
-            mask = slot_mask(col, pos, g.fixed, low, past, T, g.head_windows(q.device), self.sink)
+            key = (g.width, tuple(g.windows), in_place)
+            mask = masks.get(key)
+            if mask is None:
+                mask = slot_mask(col, pos, g.fixed, low, past, T, g.head_windows(q.device), self.sink)
+                if masks.get("bytes", 0) + mask.numel() <= _MASK_MEMO_BYTES:  # a long prefill keeps only a few
+                    masks[key], masks["bytes"] = mask, masks.get("bytes", 0) + mask.numel()
             y, w = attention(qg, keys, values, mask, eager)
             if not in_place:
                 g.store(keys, values, col, pos, past, count, layout)
@@ -631,7 +639,7 @@ class AAHModel(AAHPreTrainedModel):
         step = None
         if isinstance(cache, AAHWindowCache):
             new = positions[:, past:]
-            step = (new, bool(sink) and bool(((new >= 0) & (new < sink)).any()))
+            step = (new, bool(sink) and bool(((new >= 0) & (new < sink)).any()), {})  # {}: the layers' masks
 
         eager = output_attentions or getattr(self.config, "_attn_implementation", None) == "eager"
         rows = self.windows.to(x.device)
