@@ -1,5 +1,6 @@
-"""What the benchmark tools share: the paper's window mix, the benchmark models, interleaved timing, the machine
-line, Markdown tables and the table of target verdicts (tools/bench.py, tools/bench_decode.py,
+"""What the benchmark tools share: the paper's window mix, a static table for a model without windows
+(``static_table``), the benchmark models, interleaved timing, the machine line, Markdown tables and the table of
+target verdicts (tools/bench.py, tools/bench_decode.py,
 tools/bench_controller.py, tools/gpu_tune.py).
 
 Timing runs the variants interleaved, one call of each per round, so that a change in machine load hits every
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.gpt import GPT
 from aah_lightning.model.window_math import default_candidates
+from aah_lightning.windows import metrics
 
 PAPER_MIX = (0.63, 0.12, 0.10, 0.15)  # share of heads on T/8, T/4, T/2, T
 SUMMARY: list[list] = []  # [target, measured, verdict] rows, filled by the benchmarks' sections
@@ -95,6 +97,28 @@ def aah_table(n_layer: int, n_head: int, seq_len: int) -> torch.Tensor:
     for i, w in enumerate(ws.tolist()):
         table[i % n_layer, i // n_layer] = w
     return table
+
+
+def static_table(n_layer: int, n_head: int, n_kv_head: int, context: int, acr: float, sink: int, full_every: int):
+    """A table for a model without windows of its own: one key/value head in ``full_every`` (counted over the layers
+    and their key/value heads in order) sees the whole text, every other one the sink and a window ``W``, the query
+    heads of a key/value head alike (so the ACR is also the share of the KV cache kept); ``W`` is the widest with
+    ACR <= ``acr`` at ``context``, the sink's pairs counted. Returns ``(table, W)``."""
+    group = n_head // n_kv_head
+    full = torch.zeros(n_layer * n_kv_head, dtype=torch.bool)
+    full[::full_every] = True
+    full = full.view(n_layer, n_kv_head).repeat_interleave(group, dim=1)
+
+    def table(w: int) -> torch.Tensor:
+        return torch.where(full, context, w).to(torch.int32)
+
+    low, high = 1, context  # the ACR grows with W: the widest W within the budget
+    if float(metrics.acr(table(low), context, sink)) > acr:
+        raise ValueError(f"ACR {acr}: the full heads and the sink alone cover more at T={context}")
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if float(metrics.acr(table(mid), context, sink)) <= acr else (low, mid - 1)
+    return table(low), low
 
 
 def train_step(model: GPT, tokens: torch.Tensor, device, dtype):
