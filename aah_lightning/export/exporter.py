@@ -155,9 +155,16 @@ def hf_config(gpt: GPTConfig, windows: torch.Tensor, eod_id: int, sink: int = 0)
     return config
 
 
-def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = True, out: str = "PATH") -> ExportPlan:
-    """Read and check everything an export needs (``out``: the folder the model card's snippet loads); writes
-    nothing. Raises ``ConfigError`` with one line."""
+def prepare(
+    ckpt_path: str,
+    tokenizer: str | None = None,
+    weights_only: bool = True,
+    out: str = "PATH",
+    bench: str | None = None,
+) -> ExportPlan:
+    """Read and check everything an export needs (``out``: the folder the model card's snippet loads; ``bench``: a
+    ``tools/bench_decode.py --json`` record of this checkpoint, for the card); writes nothing. Raises
+    ``ConfigError`` with one line."""
     _needs_transformers()
     if not os.path.exists(ckpt_path):
         raise ConfigError(
@@ -165,6 +172,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
             f"(e.g. runs/quickstart/checkpoints/last.ckpt)"
         )
     ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
+    record = model_card.read_bench(bench, ckpt_path) if bench is not None else None
     aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
     gpt, data = aah_model.cfg, data_settings(ckpt)
     weights, windows = hf_weights(aah_model.state_dict(), tied=gpt.tie_embeddings)
@@ -198,7 +206,7 @@ def prepare(ckpt_path: str, tokenizer: str | None = None, weights_only: bool = T
     dtype = next(iter(tensors.values())).dtype
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     params = sum(t.numel() for t in tensors.values())
-    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype, aah_model.sink)
+    card = model_card.render(ckpt_path, ckpt, gpt, windows, tok, data, params, out, dtype, aah_model.sink, record)
     return ExportPlan(ckpt_path, config, tensors, tok, card, data.get("source", "stdlib"))
 
 
@@ -251,10 +259,12 @@ def write(plan: ExportPlan, out: str) -> None:
         raise
 
 
-def export(ckpt_path: str, out: str, tokenizer: str | None = None, weights_only: bool = True) -> ExportPlan:
+def export(
+    ckpt_path: str, out: str, tokenizer: str | None = None, weights_only: bool = True, bench: str | None = None
+) -> ExportPlan:
     """Export checkpoint ``ckpt_path`` to folder ``out``; returns what was written."""
     check_out(out)  # before the checkpoint is read: a refused folder costs nothing
-    plan = prepare(ckpt_path, tokenizer, weights_only, out)
+    plan = prepare(ckpt_path, tokenizer, weights_only, out, bench)
     write(plan, out)
     return plan
 
@@ -279,9 +289,15 @@ def main(argv=None) -> int:
         choices=["true", "false"],
         help="false: also unpickle objects other than tensors (only for checkpoints you trust)",
     )
+    p.add_argument(
+        "--bench",
+        default=None,
+        help="a record of tools/bench_decode.py --checkpoint CKPT --windows checkpoint --json FILE, measured on this "
+        "checkpoint: the model card states its decoding speed and memory",
+    )
     args = p.parse_args(argv)
     try:
-        plan = export(args.ckpt_path, args.out, args.tokenizer, args.weights_only == "true")
+        plan = export(args.ckpt_path, args.out, args.tokenizer, args.weights_only == "true", args.bench)
     except ConfigError as e:
         print(f"aah export: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from aah_lightning.checkpoint import CALLBACKS_KEY, DATAMODULE_STATE_KEY, GLOBAL_STEP_KEY, hyperparameters
+from aah_lightning.errors import ConfigError
 from aah_lightning.model import generate
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows import metrics
@@ -110,6 +112,77 @@ def kv_lines(windows: torch.Tensor, gpt: GPTConfig, dtype: torch.dtype, sink: in
     ]
 
 
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file: what ties a benchmark record to the checkpoint it measured."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# What the card reads of each row of a benchmark record.
+_BENCH_KEYS = ("context", "batch", "variant", "tokens_per_s", "vs_full", "kv_vs_full", "peak_vs_full")
+
+
+def read_bench(path: str, ckpt_path: str, setting: str = "--bench") -> dict:
+    """The record of ``tools/bench_decode.py --json`` for the card, checked to be a measurement of this very model: the
+    checkpoint file's SHA-256, and its own windows and sink (``--windows checkpoint``). Raises ``ConfigError``."""
+    where = f"{setting}={path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        sha, windows = record["checkpoint"]["sha256"], record["windows"]
+        cells = {(r["context"], r["batch"], r["variant"]) for r in record["results"] if set(_BENCH_KEYS) <= set(r)}
+        ok = len(cells) == len(record["results"]) > 0 and all(
+            (c, b, v) in cells for c, b, _ in cells for v in ("export, windows", "export, full", "aah, windows")
+        )
+        if not ok or not all(k in record for k in ("command", "date", "machine", "versions", "new_tokens")):
+            raise KeyError(path)
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or e})") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{where} is not a record of tools/bench_decode.py --checkpoint ... --json") from e
+    if sha != file_sha256(ckpt_path):
+        raise ConfigError(
+            f"{where} measured another checkpoint than --ckpt_path={ckpt_path!r} (its SHA-256 differs): run "
+            f"tools/bench_decode.py --checkpoint on this one"
+        )
+    if windows != "checkpoint":
+        raise ConfigError(
+            f"{where} measured windows of its own ({windows}), not the checkpoint's: run tools/bench_decode.py "
+            f"--checkpoint {ckpt_path} --windows checkpoint --json ..."
+        )
+    return record
+
+
+def bench_lines(record: dict) -> list[str]:
+    """Markdown lines: the decoding measured on this model (``read_bench``): transformers ``generate`` with the
+    window cache against the same weights with full attention, per context and batch, aah's own ratio beside it."""
+    rows = {(r["context"], r["batch"], r["variant"]): r for r in record["results"]}
+    lines = [
+        f"Measured on this model (its weights, windows and sink) by `tools/bench_decode.py`, {record['date']}: "
+        f"{record['machine']}; torch {record['versions']['torch']}, transformers "
+        f"{record['versions']['transformers']}. Greedy decoding of {record['new_tokens']} tokens after a prompt of "
+        "T tokens of text, one prompt's cache repeated to the batch; transformers `generate` with this folder's "
+        "window cache against the same weights with full attention in a `DynamicCache`, and aah's own decoding "
+        "likewise (tokens/s: the median decode step).",
+        "",
+        "| T | batch | tokens/s, windows | tokens/s, full attention | decoding vs full | KV cache vs full | "
+        "peak memory vs full | aah's decoding vs full |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for context, batch in sorted({(c, b) for c, b, _ in rows}):
+        ours, full = rows[context, batch, "export, windows"], rows[context, batch, "export, full"]
+        peak = "-" if ours["peak_vs_full"] is None else f"{ours['peak_vs_full']:.2f} x"
+        lines.append(
+            f"| {context} | {batch} | {ours['tokens_per_s']:.1f} | {full['tokens_per_s']:.1f} | "
+            f"**{ours['vs_full']:.2f} x** | {ours['kv_vs_full']:.3f} x | {peak} | "
+            f"{rows[context, batch, 'aah, windows']['vs_full']:.2f} x |"
+        )
+    return [*lines, "", f"command: `{record['command']}`"]
+
+
 def architecture(gpt: GPTConfig) -> str:
     """The model's settings in a phrase (attention, MLP, norm, output layer, RoPE)."""
     kv = gpt.kv_heads
@@ -188,9 +261,11 @@ def render(
     path: str = "PATH",
     dtype: torch.dtype = torch.float32,
     sink: int = 0,
+    bench: dict | None = None,
 ) -> str:
     """The card's markdown; ``params``: the exported model's parameter count; ``path``: the export folder, as the
-    snippet loads it; ``dtype``: the weights' (and so the cache's) dtype; ``sink``: the model's attention sink."""
+    snippet loads it; ``dtype``: the weights' (and so the cache's) dtype; ``sink``: the model's attention sink;
+    ``bench``: a decoding benchmark of this model (``read_bench``), stated in a section of its own."""
     training = {"model": hyperparameters(ckpt), "data": data_summary(data)}
     step = ckpt.get(GLOBAL_STEP_KEY)
     source = data.get("source", "?")
@@ -244,6 +319,7 @@ def render(
         "",
         *kv_lines(windows, gpt, dtype, sink),
         "",
+        *(["## Measured decoding", "", *bench_lines(bench), ""] if bench else []),
         "## Load",
         "",
         *snippet(path, tok),

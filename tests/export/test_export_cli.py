@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from aah_lightning.checkpoint import load_checkpoint_file
 from aah_lightning.cli import main
+from aah_lightning.model import generate as gen
+from helpers.cli import run_tool
 from helpers.modules import module_of
 
 EXPECTED_FILES = {
@@ -221,3 +223,54 @@ def test_the_model_cards_snippet_runs_as_written(fitted_checkpoint, tmp_path, ca
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("def fib(") and len(done.stdout) > len("def fib(") + 10
+
+
+def test_the_card_states_a_decoding_benchmark_of_this_very_checkpoint(make_module, write_checkpoint, tmp_path, capsys):
+    """``tools/bench_decode.py --checkpoint`` (its own windows and sink) writes a record that ``aah export --bench``
+    puts in the model card; a record of another checkpoint, of a static table or of something else is refused in one
+    line before anything is written."""
+    table = torch.tensor([[4, 8, 64, 16], [64, 4, 4, 4], [8, 8, 2, 64]], dtype=torch.int32)
+    ckpt = write_checkpoint(make_module(seed=1, table=table, sink=2), tmp_path / "win.ckpt")
+    record = tmp_path / "bench.json"
+    args = ["--checkpoint", ckpt, "--windows", "checkpoint", "--contexts", "96", "--batch", "1", "2"]
+    args += ["--repeats", "1", "--new-tokens", "3", "--threads", "1", "--json", str(record)]
+    assert run_tool("bench_decode", *args) == 0
+    printed = capsys.readouterr().out
+    assert "| 96 | 2 | export, windows |" in printed and "| 96 | 1 | aah, full |" in printed
+    # the windowed runs' tokens are those of the model's own forward without a cache, in aah and in transformers
+    assert "aah, windows: tokens == its own forward without a cache, T=96 | equal | met" in printed
+    assert "export, windows: tokens == its own forward without a cache, T=96 | equal | met" in printed
+    data = json.loads(record.read_text())
+    assert data["windows"] == "checkpoint" and data["tables"]["96"]["table"] == table.tolist()
+    rows = {(r["batch"], r["variant"]): r for r in data["results"]}
+    ours, full = rows[2, "export, windows"], rows[2, "export, full"]
+    # KV bytes: the export's window cache holds min(sink + W, 98) positions per head at T + new tokens - 1 = 98
+    windows = table.tolist()
+    assert ours["kv_bytes"] == gen.cache_bytes(windows, 98, 8, 2, sink=2) and full["kv_bytes"] == 3 * 4 * 98 * 8 * 8 * 2
+    assert ours["vs_full"] == pytest.approx(ours["tokens_per_s"] / full["tokens_per_s"])
+
+    out = tmp_path / "hf"
+    code, _, err = run_export(["--ckpt_path", ckpt, "--out", str(out), "--bench", str(record)], capsys)
+    assert code == 0, err
+    card = (out / "README.md").read_text()
+    section = card.split("## Measured decoding\n\n", 1)[1].split("\n## ", 1)[0]
+    assert f"by `tools/bench_decode.py`, {data['date']}" in section and f"command: `{data['command']}`" in section
+    assert (
+        f"| 96 | 2 | {ours['tokens_per_s']:.1f} | {full['tokens_per_s']:.1f} | **{ours['vs_full']:.2f} x** |" in section
+    )
+    plain = tmp_path / "plain"  # without --bench, no such section
+    assert run_export(["--ckpt_path", ckpt, "--out", str(plain)], capsys)[0] == 0
+    assert "## Measured decoding" not in (plain / "README.md").read_text()
+
+    other = write_checkpoint(make_module(seed=2, table=table, sink=2), tmp_path / "other.ckpt")
+    line = refused(["--ckpt_path", other, "--out", str(tmp_path / "x"), "--bench", str(record)], capsys, tmp_path)
+    assert "measured another checkpoint than --ckpt_path=" in line
+    static = dict(data, windows="static")
+    (tmp_path / "static.json").write_text(json.dumps(static))
+    line = refused(["--ckpt_path", ckpt, "--out", str(tmp_path / "x"), "--bench", str(tmp_path / "static.json")],
+                   capsys, tmp_path)  # fmt: skip
+    assert "measured windows of its own (static), not the checkpoint's" in line
+    (tmp_path / "junk.json").write_text('{"results": []}')
+    line = refused(["--ckpt_path", ckpt, "--out", str(tmp_path / "x"), "--bench", str(tmp_path / "junk.json")],
+                   capsys, tmp_path)  # fmt: skip
+    assert "is not a record of tools/bench_decode.py" in line
