@@ -45,6 +45,8 @@ class AdaptivePolicy(WindowPolicy):
     (``ceiling.py``, ``budget.py``), the allocators without a budget (``registry.py``) and settling
     (``settling.py``)."""
 
+    READS = frozenset({"candidates", "controller"})
+
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
         self.settings = c = cfg.controller
