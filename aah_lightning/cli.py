@@ -28,7 +28,7 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -45,7 +45,7 @@ from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.folder_lock import release_folder_locks
 from aah_lightning.lit.generation import GenerationWriter, ValidationSample
 from aah_lightning.lit.guards import NonFiniteGuard
-from aah_lightning.lit.last_checkpoint import LastCheckpoint
+from aah_lightning.lit.last_checkpoint import BestCheckpoint, LastCheckpoint
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.lit.signals import INTERRUPT_EXIT_CODE, SIGTERM_EXIT_CODE, SignalStop
 from aah_lightning.lit.throughput import ProgressBar, Throughput
@@ -224,7 +224,7 @@ class AAHCLI(LightningCLI):
         # validation loss. Both are written through AtomicCheckpointIO (see instantiate_trainer).
         parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.dirpath": "runs/aah/checkpoints"})
-        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
+        parser.add_lightning_class_args(BestCheckpoint, "best_checkpoint")
         parser.link_arguments("checkpoint.dirpath", "best_checkpoint.dirpath")
         parser.set_defaults(
             {
@@ -429,8 +429,9 @@ def main(args=None) -> None:
         if isinstance(error, TrainingDiverged):
             print(f"aah: stopped: {error}", file=sys.stderr)
             sys.exit(3)
-        if isinstance(error, CheckpointWriteError):
-            print(f"aah: error: {error}", file=sys.stderr)
+        if isinstance(error, CheckpointWriteError):  # every rank of a sharded save stops: rank 0 says why
+            if rank_zero_only.rank == 0:
+                print(f"aah: error: {error}", file=sys.stderr)
             sys.exit(4)
         raise
     except SIGTERMException as e:  # a SystemExit: Lightning's own carries no code (exit 0); this run's is 143
