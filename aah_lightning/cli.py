@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning import preflight
 from aah_lightning.checkpoint import LOG_FOLDER_KEY
-from aah_lightning.data.prompts import read_prompts
+from aah_lightning.data.prompts import read_prompts, require_text_tokenizer
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.atomic_files import AtomicCheckpointIO
@@ -43,7 +43,7 @@ from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.folder_lock import release_folder_locks
-from aah_lightning.lit.generation import GenerationWriter, ValidationSample
+from aah_lightning.lit.generation import GenerationWriter, ValidationSample, check_writable
 from aah_lightning.lit.guards import NonFiniteGuard
 from aah_lightning.lit.last_checkpoint import BestCheckpoint, LastCheckpoint
 from aah_lightning.lit.module import AAHModule
@@ -335,8 +335,13 @@ class AAHCLI(LightningCLI):
         self._preflight("test")
 
     def before_predict(self) -> None:
+        # Every check of aah predict before the Trainer starts: once it runs, the logger has written its folder.
         read_prompts(self.datamodule.config.prompts)  # a missing or empty prompts file, before the checkpoint is read
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, GenerationWriter):
+                check_writable(callback.output)
         self._preflight("predict")
+        require_text_tokenizer(self.datamodule.tokenizer)
 
 
 def _user_error(exc: BaseException | None):

@@ -109,6 +109,8 @@ class Resumed:
         """None for no checkpoint, a keyword Lightning resolves itself (``best``, ``hpc``) or a remote path."""
         if not path or path in _LIGHTNING_KEYWORDS or "://" in str(path):
             return None
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+            read_checkpoint(path, setting="ckpt_path")  # a folder that is no distributed checkpoint: its one line
         if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
             meta = os.path.join(path, "meta.pt")
             checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}

@@ -1,5 +1,5 @@
 """Progress of the long stages (aah_lightning/progress.py): silent while short, then a line on stderr or a task of a
-run's own bar; on the controller's decision and ``aah-prepare``."""
+run's own bar; on the controller's decision, ``aah-prepare``, ``aah import`` and ``aah export``."""
 
 from __future__ import annotations
 
@@ -79,6 +79,25 @@ def test_the_controllers_decision_shows_its_forwards(at_once, capsys, signal):
     # retrieval: one forward, then each layer's scores
     count = "9/9" if signal == "gain" else "3/3"
     assert f"windows at step 0: measuring ({signal} signal): 100%" in err and count in err, err
+
+
+def test_aah_import_and_aah_export_show_reading_and_writing(at_once, tmp_path, capsys):
+    from aah_lightning.cli import main
+    from helpers.hf_models import save_tiny, save_tokenizer
+
+    save_tiny("llama3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "llama.ckpt")])
+    err = capsys.readouterr().err
+    assert done.value.code == 0, err
+    assert f"reading {tmp_path / 'hf'}: 00:00" in err and f"writing {tmp_path / 'llama.ckpt'}: 00:00" in err, err
+    with pytest.raises(SystemExit) as done:
+        main(["export", "--ckpt_path", str(tmp_path / "llama.ckpt"), "--out", str(tmp_path / "export")])
+    err = capsys.readouterr().err
+    assert done.value.code == 0, err
+    assert f"reading {tmp_path / 'llama.ckpt'}: 00:00" in err and f"writing {tmp_path / 'export'}: 00:00" in err, err
 
 
 def test_aah_prepare_shows_reading_writing_and_checking(at_once, tmp_path, capsys):
