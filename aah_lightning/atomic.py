@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -81,14 +82,18 @@ def remove_stale_partials(folder: str) -> list[str]:
     return removed
 
 
-def _nbytes(obj: Any) -> int:
-    """The bytes of the tensors in ``obj`` (dicts, lists, tuples): about what ``torch.save`` writes for it."""
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists, tuples): about what ``torch.save`` writes for it. Of a
+    sharded tensor (a DTensor), this process's shard."""
     if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "to_local", None)
+        if callable(local):
+            obj = local()
         return obj.untyped_storage().nbytes() if obj.device.type != "meta" else 0
     if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 0
 
 
@@ -104,12 +109,21 @@ _TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file wri
 _FULL_SLACK = 16 * 2**20
 
 
-def _write_error(e: BaseException, path: str, folder: str, needed: int, written: int) -> Optional[CheckpointWriteError]:
+# A writer in Rust (safetensors) reports an I/O error as its text: "... No space left on device (os error 28)".
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def write_error(
+    e: BaseException, path: str, folder: str, needed: int, written: int = 0, what: str = "checkpoint"
+) -> Optional[CheckpointWriteError]:
     """``e`` (raised while ``path`` was written) as one line, if it is a failed write; None otherwise. A full disk
     (ENOSPC or a quota, or torch's errno-less write failure with less room left than the rest of the file) names the
-    folder, the space the checkpoint needs and what is free."""
+    folder, the space the ``what`` needs and what is free."""
     torch_write = isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILED)
-    if not isinstance(e, OSError) and not torch_write:
+    code = getattr(e, "errno", None)
+    if code is None and isinstance(e, Exception) and (found := _OS_ERROR.search(str(e))):
+        code = int(found.group(1))
+    if not isinstance(e, OSError) and not torch_write and code is None:
         return None
     try:
         st = os.statvfs(folder)
@@ -117,19 +131,25 @@ def _write_error(e: BaseException, path: str, folder: str, needed: int, written:
     except (OSError, AttributeError):  # no statvfs (Windows)
         free = None
     # A failed write leaves up to a buffer's worth of room unused: some slack over the rest of the file.
-    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+    full = code in (errno.ENOSPC, errno.EDQUOT) or (
         torch_write and free is not None and free < needed - written + _FULL_SLACK
     )
     if full:
         room = f", {_mib(free)} free" if free is not None else ""
+        reason = f"no space left in {folder} (the {what} needs about {_mib(needed)}{room})"
         return CheckpointWriteError(
-            f"could not write checkpoint {path}: no space left in {folder} (the checkpoint needs about "
-            f"{_mib(needed)}{room}); the previous checkpoint there (if any) is intact: free space there, or set "
-            f"checkpoint.dirpath to a folder with room"
+            f"could not write checkpoint {path}: {reason}; the previous checkpoint there (if any) is intact: free "
+            f"space there, or set checkpoint.dirpath to a folder with room",
+            reason,
         )
-    reason = e.strerror or e if isinstance(e, OSError) else str(e).strip().splitlines()[0]
+    if isinstance(e, OSError):
+        reason = e.strerror or e
+    elif not torch_write:
+        reason = os.strerror(code)
+    else:
+        reason = str(e).strip().splitlines()[0]
     return CheckpointWriteError(
-        f"could not write checkpoint {path}: {reason}; the previous checkpoint there (if any) is intact"
+        f"could not write checkpoint {path}: {reason}; the previous checkpoint there (if any) is intact", str(reason)
     )
 
 
@@ -143,10 +163,14 @@ def _plain_mode(path: str) -> int:
     return 0o666 & ~umask
 
 
-def atomic_write(path, write: Callable[[IO[bytes]], None], needed: int = 0) -> None:
+def atomic_write(path, write: Callable[[IO[bytes]], None], needed: int = 0, publish: bool = True) -> str:
     """Write ``path`` through ``write(file)`` such that ``path`` is never seen half-written, even after a SIGKILL: a
     hidden temporary file in the same folder, fsynced, renamed over ``path``, the folder fsynced. A failed write is a
-    ``CheckpointWriteError`` line (a full disk names the folder and about ``needed`` bytes)."""
+    ``CheckpointWriteError`` line (a full disk names the folder and about ``needed`` bytes).
+
+    With ``publish`` False the finished file keeps its hidden temporary name, which is returned: the caller checks it
+    and then names it with ``publish_file`` (or drops it with ``discard``), so that a file refused by a check after
+    its write never appears under ``path``. Returns the name the file has."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -159,28 +183,67 @@ def atomic_write(path, write: Callable[[IO[bytes]], None], needed: int = 0) -> N
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        if publish:
+            os.replace(tmp, path)
     except BaseException as e:
         written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
         with contextlib.suppress(OSError):
             os.remove(tmp)
         needed = max(needed, os.path.getsize(path) if os.path.isfile(path) else 0)  # the previous one's size
-        error = _write_error(e, path, folder, needed, written)
+        error = write_error(e, path, folder, needed, written)
         if error is not None:
             raise error from e
         raise
+    if not publish:
+        return tmp
     fsync_dir(folder)
+    return path
 
 
-def atomic_torch_save(obj: Any, path) -> None:
+def publish_file(tmp: str, path) -> None:
+    """Give the finished temporary file ``tmp`` (``atomic_write(..., publish=False)``) its name ``path``, durably."""
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def discard(tmp: str) -> None:
+    """Remove a temporary file or folder that will not be published."""
+    with contextlib.suppress(OSError):
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        else:
+            os.remove(tmp)
+
+
+def atomic_torch_save(obj: Any, path, publish: bool = True) -> str:
     """``torch.save(obj, path)`` through ``atomic_write``."""
-    atomic_write(path, lambda f: torch.save(obj, f), needed=_nbytes(obj))
+    return atomic_write(path, lambda f: torch.save(obj, f), needed=tensor_bytes(obj), publish=publish)
 
 
-def atomic_write_text(path, text: str) -> None:
+def atomic_write_text(path, text: str, publish: bool = True) -> str:
     """``text`` (UTF-8) into ``path`` through ``atomic_write``: all of it or, after a failure, what was there."""
     data = text.encode("utf-8")
-    atomic_write(path, lambda f: f.write(data), needed=len(data))
+    return atomic_write(path, lambda f: f.write(data), needed=len(data), publish=publish)
+
+
+@contextlib.contextmanager
+def new_folders(folder):
+    """Create ``folder`` and every folder above it that is missing; if the body fails, remove again those of them
+    that are still empty, so that a refused or failed write leaves no trace."""
+    folder = os.path.abspath(os.fspath(folder))
+    missing = []
+    while not os.path.isdir(folder) and folder != os.path.dirname(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for created in reversed(missing):
+        os.makedirs(created, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for created in missing:  # the deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(created)
+        raise
 
 
 def publish_folder(tmp: str, out: str) -> None:

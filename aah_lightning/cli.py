@@ -28,14 +28,14 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aah_lightning import preflight
 from aah_lightning.checkpoint import LOG_FOLDER_KEY
-from aah_lightning.data.prompts import read_prompts
+from aah_lightning.data.prompts import read_prompts, require_text_tokenizer
 from aah_lightning.errors import CheckpointWriteError, ConfigError, TrainingDiverged
 from aah_lightning.inputs import first_line, read_yaml
 from aah_lightning.lit.atomic_files import AtomicCheckpointIO
@@ -43,9 +43,9 @@ from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.diagnostics import WindowDiagnostics
 from aah_lightning.lit.distributed import shutdown_process_group
 from aah_lightning.lit.folder_lock import release_folder_locks
-from aah_lightning.lit.generation import GenerationWriter, ValidationSample
+from aah_lightning.lit.generation import GenerationWriter, ValidationSample, check_writable
 from aah_lightning.lit.guards import NonFiniteGuard
-from aah_lightning.lit.last_checkpoint import LastCheckpoint
+from aah_lightning.lit.last_checkpoint import BestCheckpoint, LastCheckpoint
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.lit.signals import INTERRUPT_EXIT_CODE, SIGTERM_EXIT_CODE, SignalStop
 from aah_lightning.lit.throughput import ProgressBar, Throughput
@@ -224,7 +224,7 @@ class AAHCLI(LightningCLI):
         # validation loss. Both are written through AtomicCheckpointIO (see instantiate_trainer).
         parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.dirpath": "runs/aah/checkpoints"})
-        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
+        parser.add_lightning_class_args(BestCheckpoint, "best_checkpoint")
         parser.link_arguments("checkpoint.dirpath", "best_checkpoint.dirpath")
         parser.set_defaults(
             {
@@ -335,8 +335,13 @@ class AAHCLI(LightningCLI):
         self._preflight("test")
 
     def before_predict(self) -> None:
+        # Every check of aah predict before the Trainer starts: once it runs, the logger has written its folder.
         read_prompts(self.datamodule.config.prompts)  # a missing or empty prompts file, before the checkpoint is read
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, GenerationWriter):
+                check_writable(callback.output)
         self._preflight("predict")
+        require_text_tokenizer(self.datamodule.tokenizer)
 
 
 def _user_error(exc: BaseException | None):
@@ -429,8 +434,9 @@ def main(args=None) -> None:
         if isinstance(error, TrainingDiverged):
             print(f"aah: stopped: {error}", file=sys.stderr)
             sys.exit(3)
-        if isinstance(error, CheckpointWriteError):
-            print(f"aah: error: {error}", file=sys.stderr)
+        if isinstance(error, CheckpointWriteError):  # every rank of a sharded save stops: rank 0 says why
+            if rank_zero_only.rank == 0:
+                print(f"aah: error: {error}", file=sys.stderr)
             sys.exit(4)
         raise
     except SIGTERMException as e:  # a SystemExit: Lightning's own carries no code (exit 0); this run's is 143

@@ -4,6 +4,8 @@ Every check of a setting raises ``ConfigError`` with a message that names the se
 allowed. The CLI turns it into a single line on stderr and a non-zero exit, before any compute is spent.
 """
 
+from __future__ import annotations
+
 import warnings
 
 
@@ -40,4 +42,14 @@ class TrainingDiverged(RuntimeError):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, permissions); the previous checkpoint is untouched."""
+    """A checkpoint could not be written (disk full, permissions); the previous checkpoint is untouched. ``reason``:
+    what went wrong, without the advice of the whole line (a command other than ``aah fit`` gives its own)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+
+
+class FolderTakenOver(CheckpointWriteError):
+    """This run's checkpoint folder was taken over by another run (this one was stopped past its lock's heartbeat):
+    it stops before its next save and writes nothing more there."""

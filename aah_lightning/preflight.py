@@ -27,6 +27,7 @@ from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import cuda_count, writable_folder
 from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.last_checkpoint import LastCheckpoint
+from aah_lightning.windows.config import POLICY_SETTINGS
 
 # --ckpt_path values Lightning resolves itself; "last" is resolved here so that a missing one is an error.
 _LIGHTNING_KEYWORDS = ("best", "hpc", "registry")
@@ -108,6 +109,8 @@ class Resumed:
         """None for no checkpoint, a keyword Lightning resolves itself (``best``, ``hpc``) or a remote path."""
         if not path or path in _LIGHTNING_KEYWORDS or "://" in str(path):
             return None
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+            read_checkpoint(path, setting="ckpt_path")  # a folder that is no distributed checkpoint: its one line
         if os.path.isdir(path):  # a torch.distributed.checkpoint folder keeps the plain entries in meta.pt
             meta = os.path.join(path, "meta.pt")
             checkpoint = read_checkpoint(meta, setting="ckpt_path") if os.path.isfile(meta) else {}
@@ -251,24 +254,19 @@ EMBEDDING_WARN_RATIO = 10
 
 
 def warn_questionable(module, datamodule) -> None:
-    """One warning line per setting that is legal but probably not meant: controller settings under a policy that
-    reads none of them; a recall vocabulary (``data.recall.keys``, ``data.recall.values``) that makes the embeddings
+    """One warning line per setting that is legal but probably not meant: settings of ``model.aah`` that the chosen
+    policy does not read (``candidates`` under ``fixed``, another policy's block: ``AAHConfig.ignored``); a recall
+    vocabulary (``data.recall.keys``, ``data.recall.values``) that makes the embeddings
     many times the rest of the model."""
     aah = getattr(module, "aah_config", None)
-    if aah is not None and aah.policy != "adaptive":
-        default = type(aah.controller)()
-        changed = [
-            f"model.aah.controller.{block.name}.{f.name}={getattr(getattr(aah.controller, block.name), f.name)!r}"
-            for block in dataclasses.fields(aah.controller)
-            if dataclasses.is_dataclass(getattr(default, block.name))  # a block (the flat keys were moved into them)
-            for f in dataclasses.fields(getattr(default, block.name))
-            if getattr(getattr(aah.controller, block.name), f.name) != getattr(getattr(default, block.name), f.name)
-        ]
-        if changed:
-            rank_zero_warn(
-                f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with "
-                f"model.aah.policy={aah.policy!r}: only the adaptive policy reads model.aah.controller"
-            )
+    ignored = aah.ignored() if aah is not None else []
+    if ignored:
+        reads = [f"model.aah.{name}" for name in POLICY_SETTINGS if name in aah.reads()]
+        rank_zero_warn(
+            f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with "
+            f"model.aah.policy={aah.policy!r}, which reads {' and '.join(reads) or 'none of these settings'}: "
+            f"{'it is' if len(ignored) == 1 else 'they are'} ignored"
+        )
     data = getattr(datamodule, "config", None)
     if data is not None and (data.source == "recall" or data.recall.fraction > 0):
         gpt = module.gpt_config

@@ -11,6 +11,7 @@ so a run with ``init_from`` is a fine-tune that starts at step 0 (a resume is ``
   has more rows than the run's tokenizer has ids (a padded vocabulary, as Qwen2 / Qwen3 ship): the rows are kept;
 * ``check_source(cfg, path)``: the run's ``model.gpt`` settings build that model, or one ``ConfigError`` line naming
   every setting that differs with both values;
+* ``longer_context(seq_len, path)``: the warning line for a run at a longer context than the source was trained for;
 * ``load_weights(gpt, path)``: the source's weights into a GPT built with those settings (its window table is kept);
 * ``python -m aah_lightning.retrofit SOURCE``: prints a config overlay with the source's ``model.gpt`` settings,
   ``model.init_from`` and, where it has one, its tokenizer as ``data.tokenizer``, to pass as ``--config``.
@@ -84,6 +85,21 @@ def check_source(cfg: GPTConfig, source) -> None:
     raise ConfigError(
         f"{source.where} was trained with other model settings ({both}){hint}: set them to the source's "
         f"(python -m aah_lightning.retrofit {os.fspath(source.path)} prints them)"
+    )
+
+
+def longer_context(seq_len: int, source, setting: str = "data.seq_len") -> str | None:
+    """One warning line when a run's context ``seq_len`` is longer than the one the source was trained for (its
+    ``seq_len``, a Hugging Face config's ``max_position_embeddings``); None otherwise. Allowed: fine-tuning at a
+    longer context is how a context is extended, but positions past the trained ones are new to the model."""
+    source = ModelSource.open(source)
+    theirs = source.config.seq_len
+    if seq_len <= theirs:
+        return None
+    return (
+        f"{setting}={seq_len} is longer than the context {os.fspath(source.path)} was trained for ({theirs} tokens): "
+        f"positions past {theirs} are new to it, and until a fine-tune at {seq_len} has taught them it may do worse "
+        f"there; {setting}={theirs} keeps to what it knows"
     )
 
 

@@ -189,3 +189,52 @@ def test_the_gguf_extra_installs_everything_a_gguf_file_is_read_with():
     for module in hf_import.GGUF_PACKAGES:  # transformers and tokenizers through the 'hf' extra it names
         assert distribution_of(module) in EXTRA[hf_import.GGUF_EXTRA], module
     assert EXTRA[hf_import.GGUF_EXTRA] <= EXTRA["dev"]  # CI's install tests the import of a GGUF file
+
+
+# -- the docs name the extra a command needs ----------------------------------------------------------------------------
+# A command in a code block of the docs, and the extra it needs (the first pattern a line matches decides).
+EXTRA_COMMANDS = [
+    (r"aah import \S+\.gguf\b", "gguf"),
+    (r"(aah import|python -m aah_lightning\.hf_checkpoint)\b", "hf"),
+    (r"aah export\b", "hf"),
+    (r"(\w+=\S+ )*lm_eval\b", "eval"),
+]
+# What names an extra: pip's ".[hf]" / 'aah-lightning[hf]', or "the `hf` extra"; an extra that brings another
+# (gguf and eval bring hf) names it too.
+BRINGS = {"hf": {"hf", "gguf", "eval"}, "gguf": {"gguf"}, "eval": {"eval"}}
+
+
+def sections_needing_an_unnamed_extra(text: str) -> list[tuple[str, list[str]]]:
+    """``(heading, extras)`` of every ``##`` section of a Markdown page whose code blocks run a command that needs an
+    extra which neither the section nor the top of the page (before its first ``##``) names."""
+    import re
+
+    named = re.compile(r"\[(hf|gguf|eval)\]|`(hf|gguf|eval)` extra")
+    commands = [(re.compile(rf"^\s*(\$ )?{pattern}"), extra) for pattern, extra in EXTRA_COMMANDS]
+    top, *sections = re.split(r"(?m)^(?=## )", text)
+    on_top = {a or b for a, b in named.findall(top)}
+    missing = []
+    for section in sections:
+        said = on_top | {a or b for a, b in named.findall(section)}
+        needed = set()
+        for block in re.findall(r"```[^\n]*\n(.*?)```", section, re.S):
+            for line in block.splitlines():
+                needed |= {next((extra for rx, extra in commands if rx.search(line)), None)} - {None}
+        unnamed = sorted(extra for extra in needed if not BRINGS[extra] & said)
+        if unnamed:
+            missing.append((section.splitlines()[0], unnamed))
+    return missing
+
+
+def test_every_section_that_runs_a_command_of_an_extra_names_the_extra():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = {
+        str(p.relative_to(ROOT)): found for p in pages if (found := sections_needing_an_unnamed_extra(p.read_text()))
+    }
+    assert not missing, f"sections whose commands need an extra they do not name (pip install -e '.[extra]'): {missing}"
+
+
+def test_the_extras_check_finds_a_command_without_its_extra():
+    page = "# Page\n\n## Import\n\n```bash\naah import model.gguf --out m.ckpt\n```\n\n## Eval\n\nThe `eval` extra.\n\n```\nlm_eval --model hf\n```\n"
+    assert sections_needing_an_unnamed_extra(page) == [("## Import", ["gguf"])]
+    assert sections_needing_an_unnamed_extra(page.replace("# Page\n", '# Page\n\npip install -e ".[gguf]"\n')) == []

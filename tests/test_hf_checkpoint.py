@@ -103,7 +103,9 @@ def test_aah_import_writes_through_the_atomic_writer(tmp_path, capsys, monkeypat
     save_tokenizer(tmp_path / "hf")
     written = []
     real = importer.atomic_torch_save
-    monkeypatch.setattr(importer, "atomic_torch_save", lambda obj, path: written.append(path) or real(obj, path))
+    monkeypatch.setattr(
+        importer, "atomic_torch_save", lambda obj, path, **kw: written.append(path) or real(obj, path, **kw)
+    )
     assert importer.main([str(tmp_path / "hf"), "--out", str(tmp_path / "q.ckpt")]) == 0
     assert written == [tmp_path / "q.ckpt"]
 
@@ -255,3 +257,43 @@ def test_smollm2_from_pypi_imports_with_transformers_logits(tmp_path, capsys):
     ).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor([ids])), theirs(torch.tensor([ids])).logits, rtol=1e-4, atol=1e-4)
+
+
+# -- a refusal or a failed write leaves nothing ------------------------------------------------------------------------
+def test_an_import_onto_a_full_disk_leaves_nothing_not_even_its_folder(tmp_path, capsys):
+    """On a real 64 KiB file system (the tiny model's checkpoint is about 150 KiB); a GGUF file's tokenizer, written
+    first, goes too."""
+    from helpers.disks import small_disk
+    from helpers.gguf_models import write_tiny_gguf
+
+    save_tiny("llama3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        for source in (tmp_path / "hf", tmp_path / "tiny.gguf"):
+            out = disk / "models" / "x.ckpt"
+            code, _, err = aah_import([str(source), "--out", str(out)], capsys)
+            line = err.splitlines()[-1]  # after transformers' own bars of a GGUF file
+            assert code == 2 and line.startswith(f"aah import: error: --out={str(out)!r} could not be written: "), err
+            assert f"no space left in {out.parent} (the checkpoint needs about 0.1 MiB, " in line, line
+            assert line.endswith("nothing was left there: free space there or choose another --out"), line
+            assert list(disk.iterdir()) == []  # no checkpoint, tokenizer, temporary file, nor the folder made for it
+
+
+def test_a_checkpoint_its_read_back_refuses_never_gets_its_name(tmp_path, capsys, monkeypatch):
+    """The last check reads the written checkpoint back as every consumer will; it runs on the files under their
+    temporary names (here a reader's refusal stands in for whatever it could find)."""
+    save_tiny("qwen3", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    read = []
+
+    def refusing(path, **kwargs):
+        read.append(Path(path))
+        raise ConfigError(f"checkpoint={str(path)!r} is not what was written")
+
+    monkeypatch.setattr(importer.ck, "load_model", refusing)
+    out = tmp_path / "out" / "q.ckpt"
+    code, _, err = aah_import([str(tmp_path / "hf"), "--out", str(out)], capsys)
+    assert code == 2 and err == f"aah import: error: checkpoint={str(out)!r} is not what was written\n", err
+    assert read and read[0].parent == out.parent and read[0].name.startswith(".aah-partial-")  # before its name
+    assert not (tmp_path / "out").exists()

@@ -58,7 +58,7 @@ def test_every_module_imports_on_its_own():
 # (docs/architecture.md). Parts in one layer do not import each other.
 LAYERS = [
     ("errors",),
-    ("inputs", "plugins", "extras", "atomic"),
+    ("inputs", "plugins", "extras", "atomic", "progress"),
     ("model", "data"),
     ("checkpoint",),
     ("model_source",),

@@ -181,6 +181,35 @@ def test_a_run_opens_its_source_once(tmp_path, tiny_args, monkeypatch):
     assert opened == [("read_config", folder), ("read_weights", folder)]
 
 
+def test_a_context_longer_than_the_sources_is_one_warning_naming_both(tmp_path, capsys):
+    """Allowed (a context is extended by fine-tuning at it), said in one line: by a run, and by aah import."""
+    import warnings
+    from dataclasses import replace
+
+    from helpers.hf_models import T as trained
+
+    save_tiny("llama3", tmp_path / "hf")  # max_position_embeddings: trained
+    save_tokenizer(tmp_path / "hf")
+    folder = str(tmp_path / "hf")
+    theirs = hf_import.gpt_config(hf_import.read_config(folder))
+    with pytest.warns(UserWarning) as said:
+        AAHModule(gpt=replace(theirs, seq_len=2 * trained), init_from=folder)
+    assert [str(w.message) for w in said] == [
+        f"data.seq_len={2 * trained} is longer than the context {folder} was trained for ({trained} tokens): positions past {trained} "
+        f"are new to it, and until a fine-tune at {2 * trained} has taught them it may do worse there; data.seq_len={trained} "
+        "keeps to what it knows"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the source's context: nothing to say
+        AAHModule(gpt=replace(theirs, seq_len=trained), init_from=folder)
+    capsys.readouterr()
+    assert importer.main([folder, "--out", str(tmp_path / "long.ckpt"), "--seq_len", str(2 * trained)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"aah import: warning: --seq_len={2 * trained} is longer than the context {folder} was trained for ({trained} "
+                   f"tokens): positions past {trained} are new to it, and until a fine-tune at {2 * trained} has taught them it "
+                   f"may do worse there; --seq_len={trained} keeps to what it knows"], err  # fmt: skip
+
+
 def test_settings_that_do_not_build_the_source_are_refused_in_one_line(tmp_path, tiny_args, capsys):
     source = _trained_tiny(tiny_args, tmp_path / "src")
     args = tiny_args(f"--model.init_from={source}", "--model.gpt.n_embd=64", "--model.gpt.norm=rmsnorm")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -28,6 +29,7 @@ from aah_lightning.data.token_folder import FolderWriter, is_token_folder, read_
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import ConfigError
 from aah_lightning.inputs import read_yaml, writable_folder
+from aah_lightning.progress import stage
 
 CACHE_ENV = "AAH_CACHE_DIR"
 SMALL_CORPUS = 64 << 20  # below this many bytes of text, extra tokenizer processes cost more than they save
@@ -135,7 +137,6 @@ def prepare(
     returns ``out``."""
     import datasets
     import pyarrow.compute as pc
-    from tqdm.auto import tqdm
 
     text_bytes = ds.data.nbytes * repeat
     if num_proc is None:
@@ -163,15 +164,14 @@ def prepare(
             cache_file_name=None if in_memory else os.path.join(work, "tokens.arrow"),
             desc=f"tokenizing ({tokenizer.name})",
         )
-        bar = tqdm(total=len(tokens), desc="writing token folder", unit="doc", disable=not progress)
-        for batch in _record_batches(tokens):
-            ids = batch.column("ids")
-            keep = batch.column("keep").to_numpy(zero_copy_only=False)
-            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep]  # dropped ones have no tokens
-            nbytes = None if byte_level else batch.column("nbytes").flatten().to_numpy()
-            writer.add(ids.flatten().to_numpy(), lengths, nbytes)
-            bar.update(len(keep))
-        bar.close()
+        with stage("writing token folder", total=len(tokens), unit="doc", after=None if progress else math.inf) as bar:
+            for batch in _record_batches(tokens):
+                ids = batch.column("ids")
+                keep = batch.column("keep").to_numpy(zero_copy_only=False)
+                lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep]  # dropped ones have no tokens
+                nbytes = None if byte_level else batch.column("nbytes").flatten().to_numpy()
+                writer.add(ids.flatten().to_numpy(), lengths, nbytes)
+                bar.advance(len(keep))
         del tokens, ds
         shutil.rmtree(work, ignore_errors=True)
         meta = {
@@ -227,7 +227,8 @@ def prepared_folder(
                 f"or remove it"
             )
         return out, False
-    ds = load_source(description, cache_dir)
+    with stage(f"reading the corpus ({description['source']})", after=None if progress else math.inf):
+        ds = load_source(description, cache_dir)
     meta = {"key": key, "source": description}
     repeat = description.get("repeat", 1)
     return prepare(ds, tokenizer, out, meta, seed, max_documents, num_proc, progress, repeat), True

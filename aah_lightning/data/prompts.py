@@ -89,12 +89,17 @@ class PromptSet(Dataset):
         return batch
 
 
-def prompt_loader(path, tokenizer, seq_len: int, batch_size: int, rank: int = 0, world: int = 1) -> DataLoader:
-    """Batches of this rank's prompts, in file order."""
+def require_text_tokenizer(tokenizer) -> None:
+    """Prompts are text: a run of token ids (``data.source`` synthetic or recall) has no tokenizer to read them."""
     if tokenizer is None:
         raise ConfigError(
             "aah predict needs a text tokenizer, and data.source='synthetic' has none: use the config "
             "of a model trained on text"
         )
+
+
+def prompt_loader(path, tokenizer, seq_len: int, batch_size: int, rank: int = 0, world: int = 1) -> DataLoader:
+    """Batches of this rank's prompts, in file order."""
+    require_text_tokenizer(tokenizer)
     prompts = PromptSet(read_prompts(path), tokenizer, seq_len, rank, world)
     return DataLoader(prompts, batch_size=batch_size, shuffle=False, collate_fn=prompts.collate)

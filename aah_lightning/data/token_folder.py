@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from aah_lightning import progress
 from aah_lightning.atomic import publish_folder
 from aah_lightning.errors import ConfigError
 
@@ -290,6 +291,7 @@ def _check_file(path: str, name: str, info: dict, setting: str, full: bool) -> N
         else sorted({round(i * (len(crcs) - 1) / (SAMPLED_CHUNKS - 1)) for i in range(SAMPLED_CHUNKS)})
     )
     piece = bytearray(1 << 20)  # read through one small buffer: checking never holds a chunk in memory
+    shown = progress.current()
     with open(file, "rb") as f:
         for i in picks:
             f.seek(i * info["chunk"])
@@ -297,6 +299,7 @@ def _check_file(path: str, name: str, info: dict, setting: str, full: bool) -> N
             while left:
                 n = f.readinto(memoryview(piece)[: min(left, len(piece))])
                 crc, left = zlib.crc32(memoryview(piece)[:n], crc), left - n
+                shown.advance(n)
             if crc != crcs[i]:
                 lo, hi = i * info["chunk"], min(size, (i + 1) * info["chunk"])
                 raise ConfigError(
@@ -308,8 +311,10 @@ def _check_file(path: str, name: str, info: dict, setting: str, full: bool) -> N
 def verify(path: str, setting: str = "data.tokens.path", full: bool = False) -> dict:
     """Sizes of every file, and sampled (or, ``full``, all) chunk checksums. Returns the metadata."""
     meta = read_meta(path, setting)
-    for name, info in meta["files"].items():
-        _check_file(path, name, info, setting, full)
+    total = sum(info["size"] for info in meta["files"].values()) if full else None  # sampled: the time it takes
+    with progress.stage(f"checking {path}", total=total, unit="B"):
+        for name, info in meta["files"].items():
+            _check_file(path, name, info, setting, full)
     return meta
 
 

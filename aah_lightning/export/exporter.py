@@ -10,7 +10,8 @@ the tokenizer (``tokenizer.json``, ``tokenizer_config.json``: loads without remo
 Everything is read and checked before anything is written: the checkpoint is verified (complete archive, matching
 checksums) and unpickled weights-only, as everywhere in aah; an existing non-empty ``--out`` is refused. The folder is
 written under a temporary name next to ``--out`` and renamed into place at the end, so an interrupted export leaves
-no half-written folder behind.
+no half-written folder behind, and a failed one nothing at all. Reading and writing a large model show progress
+(``aah_lightning.progress``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import json
 import os
 import shutil
 import sys
-import uuid
 from dataclasses import dataclass
 
 import torch
 
-from aah_lightning.atomic import publish_folder
+from aah_lightning.atomic import new_folders, partial_name, publish_folder, remove_stale_partials, write_error
 from aah_lightning.checkpoint import (
     MODEL_PREFIX,
     WINDOWS_STATE_KEY,
@@ -40,6 +40,7 @@ from aah_lightning.export import model_card
 from aah_lightning.export.tokenizer import TokenizerExport, prepare_tokenizer
 from aah_lightning.extras import need
 from aah_lightning.model.config import GPTConfig
+from aah_lightning.progress import stage
 
 HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 CODE_FILES = ("configuration_aah.py", "modeling_aah.py")
@@ -171,9 +172,10 @@ def prepare(
             f"--ckpt_path={ckpt_path!r} does not exist: pass a checkpoint file written by aah fit "
             f"(e.g. runs/quickstart/checkpoints/last.ckpt)"
         )
-    ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
-    record = model_card.read_bench(bench, ckpt_path) if bench is not None else None
-    aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
+    with stage(f"reading {ckpt_path}"):
+        ckpt = read_checkpoint(ckpt_path, weights_only=weights_only, setting="--ckpt_path")
+        record = model_card.read_bench(bench, ckpt_path) if bench is not None else None
+        aah_model = build_model(ckpt, ckpt_path, setting="--ckpt_path")  # the GPT with its weights and window table
     gpt, data = aah_model.cfg, data_settings(ckpt)
     weights, windows = hf_weights(aah_model.state_dict(), tied=gpt.tie_embeddings)
 
@@ -224,14 +226,22 @@ def _drop_attention_choice(path: str) -> None:
 
 
 def write(plan: ExportPlan, out: str) -> None:
-    """Write ``plan`` to a temporary folder next to ``out``, then rename it to ``out``."""
+    """Write ``plan`` to a temporary folder next to ``out``, then rename it to ``out``. A failed write leaves nothing:
+    not the temporary folder, nor the folders made for ``out`` (a killed one's temporary folder is removed by the
+    next export beside it)."""
+    check_out(out)
+    out = os.path.abspath(out)
+    with new_folders(os.path.dirname(out)), stage(f"writing {out}"):
+        _write_folder(plan, out)
+
+
+def _write_folder(plan: ExportPlan, out: str) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    check_out(out)
-    out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    parent = os.path.dirname(out)
+    remove_stale_partials(parent)  # what exports killed on this host left
+    tmp = os.path.join(parent, partial_name())
     os.makedirs(tmp)
     try:
         plan.config.save_pretrained(tmp)
@@ -254,8 +264,13 @@ def write(plan: ExportPlan, out: str) -> None:
         publish_folder(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise ConfigError(f"--out={out!r} could not be written ({e.strerror or e}); nothing was left there") from e
+        needed = sum(t.numel() * t.element_size() for t in plan.tensors.values())
+        failed = write_error(e, out, parent, needed, what="export")  # OSError, or safetensors' own error
+        if failed is not None:
+            raise ConfigError(
+                f"--out={out!r} could not be written: {failed.reason}; nothing was left there: free space there or "
+                f"choose another --out"
+            ) from e
         raise
 
 

@@ -11,8 +11,10 @@ inspection, the export): the GPT's settings and weights, step 0, and the tokeniz
 (by absolute path): the folder's ``tokenizer.json``, or the GGUF file's, built from its metadata and written beside
 the checkpoint as ``<name>.tokenizer.json``. It holds no optimizer or loop state: it starts runs
 (``model.init_from``, docs/retrofit.md), it does not resume one. Every refusal comes before the first byte is
-written, and the files are written as ``aah fit`` writes its checkpoints (``atomic.atomic_torch_save``): an
-interrupted import leaves no half-written file.
+written, and the files are written as ``aah fit`` writes its checkpoints (``atomic.atomic_torch_save``), under
+temporary names that they lose only once the checkpoint has been read back: a refused, failed or interrupted import
+leaves nothing under the names it would write. Reading and writing a large model show progress
+(``aah_lightning.progress``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from aah_lightning import checkpoint as ck
-from aah_lightning.atomic import atomic_torch_save, atomic_write_text
+from aah_lightning.atomic import atomic_torch_save, atomic_write_text, discard, new_folders, publish_file
 from aah_lightning.data.tokenizers import load_tokenizer
 from aah_lightning.errors import CheckpointWriteError, ConfigError
 from aah_lightning.model import hf_import
 from aah_lightning.model.gpt import GPT
 from aah_lightning.model_source import TOKENIZER_FILE, GGUFFile, HFFolder
+from aah_lightning.progress import stage
+from aah_lightning.retrofit import longer_context
 
+PROG = "aah import"
 # A GGUF file's tokenizer, written beside the checkpoint: <out without .ckpt> + this.
 TOKENIZER_SUFFIX = ".tokenizer.json"
 WHAT = "pass a Hugging Face model folder (config.json, safetensors) or a GGUF file"
@@ -85,6 +90,15 @@ def write_checkpoint(source, out, seq_len: int | None = None, tokenizer: str | N
     """Import ``source`` (a Hugging Face folder or a GGUF file) and write it to ``out`` as an aah checkpoint;
     ``tokenizer`` defaults to the folder's tokenizer.json, or the GGUF file's, written beside ``out``
     (``tokenizer_path``). Returns the path written."""
+    return imported(source, out, seq_len, tokenizer)[0]
+
+
+def imported(source, out, seq_len: int | None = None, tokenizer: str | None = None) -> tuple[Path, GPT]:
+    """``write_checkpoint``, and the model as the checkpoint written gives it back (``checkpoint.load_model``).
+
+    Every check comes before the first byte is written; the last, the written checkpoint read back as every consumer
+    reads it, runs on the files under their temporary names, which get their names only once it has passed. A
+    refusal or a failed write leaves nothing: no file, no temporary file, not the folders made for ``out``."""
     source = open_source(source)
     where = f"{source.path}/{hf_import.CONFIG_FILE}" if isinstance(source, HFFolder) else str(source.path)
     # The settings first (a family or setting aah cannot run), then the output, the tokenizer, the weights.
@@ -92,6 +106,9 @@ def write_checkpoint(source, out, seq_len: int | None = None, tokenizer: str | N
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out={os.fspath(out)!r} is a folder: name the checkpoint file to write (.ckpt)")
+    longer = None if seq_len is None else longer_context(seq_len, source, "--seq_len")
+    if longer is not None:  # allowed (a context is extended by fine-tuning at it), but worth a line
+        print(f"{PROG}: warning: {longer}", file=sys.stderr)
     tokenizer_text = None
     if tokenizer is None and isinstance(source, GGUFFile):
         tokenizer_text = _checked_gguf_tokenizer(source, source.config.vocab_size)
@@ -100,26 +117,38 @@ def write_checkpoint(source, out, seq_len: int | None = None, tokenizer: str | N
         if source.tokenizer is None:
             raise ConfigError(f"{source.path}: no {TOKENIZER_FILE}: pass --tokenizer (a tokenizer.json or hub name)")
         tokenizer = source.tokenizer
-    checkpoint = checkpoint_of(source.model(seq_len), tokenizer)
+    with stage(f"reading {source.path}"):
+        checkpoint = checkpoint_of(source.model(seq_len), tokenizer)
     if tokenizer_text is None:
         # Every refusal before the first byte is written: a tokenizer with more ids than the model's vocabulary too.
         ck.checkpoint_tokenizer(checkpoint, tokenizer, setting="--tokenizer")
-    written = []
+    staged: list[tuple[str, Path]] = []  # (temporary name, name), in the order they are published
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if tokenizer_text is not None:  # first, so that the checkpoint never names a file that is not there
-            written.append(Path(tokenizer))
-            atomic_write_text(tokenizer, tokenizer_text)
-        atomic_torch_save(checkpoint, out)
+        with new_folders(out.parent):
+            try:
+                with stage(f"writing {out}"):
+                    if tokenizer_text is not None:  # first, so that the checkpoint never names a file that is not there
+                        staged.append((atomic_write_text(tokenizer, tokenizer_text, publish=False), Path(tokenizer)))
+                    staged.append((atomic_torch_save(checkpoint, out, publish=False), out))
+                del checkpoint  # the read-back below holds the model once, not twice
+                written = staged[-1][0]
+                try:  # read back as every consumer will, before it has its name
+                    model, _ = ck.load_model(written, tokenizer=staged[0][0] if tokenizer_text else None)
+                except ConfigError as e:
+                    raise ConfigError(str(e).replace(written, os.fspath(out))) from e
+                for tmp, path in staged:
+                    publish_file(tmp, path)
+            except BaseException:
+                for tmp, _ in staged:
+                    discard(tmp)
+                raise
     except (OSError, CheckpointWriteError) as e:  # a full disk or a failed write: one line that names the space needed
-        for path in written:
-            path.unlink(missing_ok=True)
-        reason = (e.strerror or e) if isinstance(e, OSError) else e
-        raise ConfigError(f"--out={os.fspath(out)!r} could not be written ({reason})") from e
-    return out
-
-
-PROG = "aah import"
+        reason = e.reason if isinstance(e, CheckpointWriteError) else (e.strerror or e)
+        raise ConfigError(
+            f"--out={os.fspath(out)!r} could not be written: {reason}; nothing was left there: free space there or "
+            f"choose another --out"
+        ) from e
+    return out, model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        path = write_checkpoint(args.source, args.out, args.seq_len, args.tokenizer)
-        model, _ = ck.load_model(path)  # read back as every consumer will
+        path, model = imported(args.source, args.out, args.seq_len, args.tokenizer)
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

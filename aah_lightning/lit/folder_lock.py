@@ -32,7 +32,8 @@ class FolderLock:
     one line naming the run that holds it. A lock is stale - its run was killed - when its host is this one and its
     PID is not running, or when its heartbeat is older than ``STALE_AFTER_S`` (another host: a daemon thread of the
     holder touches the file every ``HEARTBEAT_S``); a stale lock is taken over with a warning. ``held`` says whether
-    the file is still this lock (a run that was stopped with SIGSTOP past the stale limit may have lost it).
+    the file is still this lock, and ``lost`` who holds it otherwise: a run that was stopped (SIGSTOP, a suspended
+    job) past the stale limit may have lost it, and ``LastCheckpoint`` checks before every save.
     """
 
     HEARTBEAT_S = 30.0
@@ -128,12 +129,31 @@ class FolderLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.HEARTBEAT_S):
+            if not self.held():  # taken over while this process was stopped: that run's lock is not ours to touch
+                return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
     def held(self) -> bool:
         holder = self._holder()
         return holder is not None and holder.get("id") == self.record["id"]
+
+    def lost(self) -> Optional[str]:
+        """None while this process holds the lock; else one line saying who holds it now (a run that took it over
+        while this one was stopped past ``STALE_AFTER_S``, SIGSTOP or a suspended job), for a run that must stop."""
+        holder = self._holder()
+        if holder is not None and holder.get("id") == self.record["id"]:
+            return None
+        if holder is None:
+            now = "nobody holds it now (its lock file was removed)"
+        else:
+            started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
+            now = f"PID {holder.get('pid')} on host {holder.get('host')} holds it now (started {started})"
+        return (
+            f"{self.setting}={self.folder!r} is no longer this run's: {now}; this run was not heard from for over "
+            f"{self.STALE_AFTER_S:.0f} s (stopped or suspended?) and its lock was taken over, so it stops here and "
+            f"writes nothing more there"
+        )
 
     def release(self) -> None:
         self._stop.set()

@@ -2,7 +2,9 @@
 
 Under FSDP2 a checkpoint is a folder that every rank writes itself, outside the checkpoint plugin. This strategy has
 every rank write into a hidden temporary folder, then rank 0 makes it the destination in one atomic step
-(``swap_in``: a symbolic link swapped with ``os.replace``), as ``atomic.py`` does for single files.
+(``swap_in``: a symbolic link swapped with ``os.replace``), as ``atomic.py`` does for single files. A failed write
+on any rank (a full disk) stops every rank with the one line of ``atomic.write_error`` (exit code 4), the temporary
+folder removed and the previous checkpoint in place.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import shutil
 import uuid
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
-from aah_lightning.atomic import fsync_dir, partial_name, remove_stale_partials
+from aah_lightning.atomic import fsync_dir, partial_name, remove_stale_partials, tensor_bytes, write_error
 from aah_lightning.checkpoint import is_remote
+from aah_lightning.errors import CheckpointWriteError
 
 
 def swap_in(tmp: str, final: str) -> None:
@@ -42,6 +47,22 @@ def swap_in(tmp: str, final: str) -> None:
             shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
 
 
+def failed_save(failure: Optional[BaseException], final: str, folder: str, needed: int) -> BaseException:
+    """What a rank raises when some rank could not write its part of checkpoint ``final``: the one-line
+    ``CheckpointWriteError`` of the first failed write (torch.distributed.checkpoint gives every rank every rank's
+    error), or, for anything that is not a failed write, the error itself."""
+    if failure is None:  # another rank's own write failed (rank 0's meta.pt): rank 0 says what
+        return CheckpointWriteError(f"could not write checkpoint {final}: another process could not write its part")
+    errors = [failure]
+    if isinstance(failure, CheckpointException):
+        errors = [error for _, (error, _trace) in sorted(failure.failures.items())] or errors
+    reported = write_error(errors[0], final, folder, needed)
+    if reported is None:
+        return failure
+    reported.__cause__ = errors[0]
+    return reported
+
+
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2) whose checkpoints are swapped in whole, as single files are.
 
@@ -56,11 +77,26 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         if is_remote(filepath):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = os.path.abspath(self.broadcast(os.fspath(filepath)))
+        folder = os.path.dirname(final)
         if self.is_global_zero:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            remove_stale_partials(os.path.dirname(final))
-        tmp = os.path.join(os.path.dirname(final), self.broadcast(partial_name()))  # rank 0's name, on every rank
-        super().save_checkpoint(checkpoint, tmp, storage_options)
+            os.makedirs(folder, exist_ok=True)
+            remove_stale_partials(folder)
+        tmp = os.path.join(folder, self.broadcast(partial_name()))  # rank 0's name, on every rank
+        needed = tensor_bytes(checkpoint)  # this rank's part, counted before the save takes the state out
+        failure: Optional[BaseException] = None
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
+            failure = e
+        # A failed write on one rank alone (rank 0's meta.pt) would leave the others waiting in the next collective:
+        # every rank learns whether any failed, and all stop together, the temporary folder removed.
+        if self.reduce_boolean_decision(failure is not None, all=False):
+            needed = int(self.reduce(torch.tensor(float(needed), device=self.root_device), reduce_op="sum").item())
+            self.barrier("aah_checkpoint_failed")
+            if self.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+                fsync_dir(folder)
+            raise failed_save(failure, final, folder, needed)
         self.barrier("aah_checkpoint_written")
         if self.is_global_zero:
             swap_in(tmp, final)

@@ -1,4 +1,5 @@
-"""``LastCheckpoint``: the crash-safety checkpoint ``last.ckpt``, and the callback that stops a run on a signal.
+"""``LastCheckpoint``: the crash-safety checkpoint ``last.ckpt``, and the callback that stops a run on a signal;
+``BestCheckpoint``: the best model by validation loss, in the same folder.
 
 It saves ``last.ckpt`` periodically, at the end of training and at the step boundary where a signal stops the run
 (``lit/signals.py``); it holds the checkpoint folder's lock for the run (``lit/folder_lock.py``). Its files are
@@ -11,15 +12,17 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 from datetime import timedelta
 from typing import Optional
 
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from aah_lightning.checkpoint import LOG_FOLDER_KEY, is_remote
-from aah_lightning.errors import require
+from aah_lightning.errors import FolderTakenOver, require
 from aah_lightning.lit.folder_lock import FolderLock, release_folder_locks
 from aah_lightning.lit.lightning_private import (
     cluster_environment,
@@ -30,6 +33,26 @@ from aah_lightning.lit.lightning_private import (
     should_skip_saving,
 )
 from aah_lightning.lit.signals import INTERRUPT_EXIT_CODE, SignalStop, requeue_slurm_job
+
+
+def checkpoints_in(folder: str) -> tuple[str, ...]:
+    """The checkpoints in ``folder`` (files, or an FSDP2 run's folders, named ``*.ckpt``), without aah's own hidden
+    files (the lock, temporary files, the folders an FSDP2 link names)."""
+    if not os.path.isdir(folder):
+        return ()
+    return tuple(sorted(n for n in os.listdir(folder) if n.endswith(".ckpt") and not n.startswith(".")))
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (the CLI's ``best_checkpoint``: the best model by ``val/loss``), without
+    Lightning's warning that its folder "exists and is not empty": in aah it always is, by the lock of the very run
+    that starts (``.aah-lock``), and ``LastCheckpoint`` says in its own words when the folder holds checkpoints of
+    another run."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
 
 
 def _first_process(trainer) -> bool:
@@ -127,10 +150,29 @@ class LastCheckpoint(ModelCheckpoint):
             self._lock.release()
             self._lock = None
 
+    _found: tuple[str, ...] = ()  # the checkpoints in the folder before this run wrote any
+
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
+            if trainer.is_global_zero and self.dirpath and not is_remote(self.dirpath):
+                self._found = checkpoints_in(self.dirpath)
             self.lock_folder(trainer)
+
+    def _warn_about_earlier_checkpoints(self, trainer) -> None:
+        # The folder's own files (the lock, temporary files) are aah's and say nothing; checkpoints of an earlier run
+        # that this one does not continue are worth a line (Lightning says "exists and is not empty" for both: see
+        # BestCheckpoint). By on_train_start the checkpoint this run resumes from is known, under every strategy.
+        resumed = trainer.ckpt_path is not None and os.path.dirname(os.path.abspath(trainer.ckpt_path)) == (
+            os.path.abspath(self.dirpath or "")
+        )
+        if self._found and not resumed:
+            names = ", ".join(self._found[:3]) + (f" and {len(self._found) - 3} more" if len(self._found) > 3 else "")
+            rank_zero_warn(
+                f"checkpoint.dirpath={self.dirpath!r} holds checkpoints of an earlier run ({names}) that this run "
+                f"does not continue: its own go beside them, and over those of the same name (last.ckpt); to go on "
+                f"from them pass --ckpt_path last, else give this run another checkpoint.dirpath"
+            )
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.release_folder()
@@ -140,6 +182,13 @@ class LastCheckpoint(ModelCheckpoint):
         self.release_folder()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # Before every save (this one's and the best checkpoint's, whose state is gathered here too): is the folder
+        # still this run's? A run stopped past the lock's heartbeat may find another one writing there. Every rank
+        # saves, so every rank learns it from rank 0 and all stop before anything is written.
+        lost = self._lock.lost() if self._lock is not None else None
+        if trainer.strategy.reduce_boolean_decision(lost is not None, all=False):
+            self.release_folder()  # stops the heartbeat; the other run's lock file stays
+            raise FolderTakenOver(lost or f"checkpoint.dirpath={self.dirpath!r} was taken over by another run")
         # Where this run logs, so that a resume continues the same log folder (cli.AAHCLI._continue_log_folder).
         logger = trainer.logger
         if logger is not None and len(trainer.loggers) == 1:
@@ -197,6 +246,7 @@ class LastCheckpoint(ModelCheckpoint):
         return self._requeues
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._warn_about_earlier_checkpoints(trainer)
         self._sigterms = self._sigints = self._requeues = 0
         if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
             return

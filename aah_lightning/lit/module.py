@@ -193,6 +193,9 @@ class AAHModule(L.LightningModule):
         self.init_from = init_from
         if self._source is not None:
             retrofit.check_source(gpt, self._source)  # one line naming what differs, before anything is built
+            longer = retrofit.longer_context(gpt.seq_len, self._source)
+            if longer is not None:
+                rank_zero_warn(longer)
         n_layer, n_head, seq_len = gpt.n_layer, gpt.n_head, gpt.seq_len
         groups = aah.controller.groups
         if aah.policy == "adaptive" and groups.method == "kv_heads":  # groups of the model's own key/value heads

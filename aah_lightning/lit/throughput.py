@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 
+from aah_lightning import progress
 from aah_lightning.data.batch import seq_len_of
 from aah_lightning.errors import require
 from aah_lightning.lit import flops
@@ -152,7 +153,23 @@ class Throughput(L.Callback):
 
 class ProgressBar(RichProgressBar):
     """Lightning's rich progress bar, whose description of a run without an epoch limit (``max_epochs`` -1: a run
-    bounded by ``max_steps``) is "Epoch 3", not "Epoch 3/-2"."""
+    bounded by ``max_steps``) is "Epoch 3", not "Epoch 3/-2". While training runs, a long stage inside a step (the
+    controller's decision) shows as one more task of this bar (``aah_lightning.progress``)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.progress is not None:
+            progress.lend_bar(self.progress)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self.progress is not None:
+            progress.return_bar(self.progress)
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.progress is not None:
+            progress.return_bar(self.progress)
+        super().on_exception(trainer, pl_module, exception)
 
     def _get_train_description(self, current_epoch: int) -> str:
         limit = self.trainer.max_epochs

@@ -533,6 +533,20 @@ class ShuffleConfig:
 
 
 _BLOCKS = {"fixed": FixedConfig, "static": StaticConfig, "random": RandomConfig, "shuffle": ShuffleConfig}
+# The settings of ``model.aah`` that one policy reads and another does not (``WindowPolicy.reads``); ``seed`` and
+# ``sink`` are not among them: every policy that draws reads the seed, and the sink is the model's.
+POLICY_SETTINGS = ("candidates", "fixed", "static", "random", "shuffle", "controller")
+
+
+def _changed(key: str, value, default) -> list[str]:
+    """``key=value`` for every setting under ``key`` (a dataclass block: each of its fields) that differs from its
+    default."""
+    if hasattr(value, "__dataclass_fields__") and type(value) is type(default):
+        return [
+            line for name in value.__dataclass_fields__
+            for line in _changed(f"{key}.{name}", getattr(value, name), getattr(default, name))
+        ]  # fmt: skip
+    return [] if value == default else [f"{key}={value!r}"]
 
 
 @dataclass
@@ -612,8 +626,27 @@ class AAHConfig:
             "an integer >= 0 (the first positions every windowed head keeps; 0 = none)",
         )
 
+    def reads(self) -> Optional[frozenset[str]]:
+        """Which of ``POLICY_SETTINGS`` the chosen policy reads; None for a policy that does not say (a plugin's)."""
+        return policy_class(self.policy).reads(self)
+
+    def ignored(self) -> list[str]:
+        """The settings of ``POLICY_SETTINGS`` given a value other than their default that the chosen policy does not
+        read, as ``model.aah.<key>=<value>``: unused, so never refused (one warning line says so)."""
+        reads = self.reads()
+        if reads is None:
+            return []
+        default = AAHConfig()
+        return [
+            line for name in POLICY_SETTINGS if name not in reads
+            for line in _changed(f"model.aah.{name}", getattr(self, name), getattr(default, name))
+        ]  # fmt: skip
+
     def resolved_candidates(self, seq_len: int) -> list[int]:
-        if self.candidates is None:
+        """The candidate windows: ``candidates``, or ``[T/8, T/4, T/2, T]`` when it is not set or the policy does
+        not read it (the windows it chooses from are then only reported)."""
+        reads = self.reads()
+        if self.candidates is None or (reads is not None and "candidates" not in reads):
             return sorted({max(1, seq_len // 8), max(1, seq_len // 4), max(1, seq_len // 2), seq_len})
         return list(self.candidates)
 

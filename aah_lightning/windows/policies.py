@@ -40,10 +40,14 @@ def check_table(table, policy: str, seq_len: int, n_layer: int, n_head: int) -> 
 class FullPolicy(WindowPolicy):
     """Every head sees the whole causal context (the baseline)."""
 
+    READS = frozenset()
+
 
 @register("fixed")
 class FixedPolicy(WindowPolicy):
     """Every head of every layer uses ``fixed.window`` (after ``fixed.warmup_steps`` at full context)."""
+
+    READS = frozenset({"fixed"})
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
@@ -76,6 +80,8 @@ class FixedPolicy(WindowPolicy):
 class StaticPolicy(WindowPolicy):
     """An explicit table from the config."""
 
+    READS = frozenset({"static"})
+
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         check_table(cfg.static.table, "static", seq_len, n_layer, n_head)
@@ -89,6 +95,12 @@ class RandomPolicy(WindowPolicy):
     """Each head draws uniformly from the candidates with a seeded generator, once or every
     ``random.redraw_interval``. With a ``random.table``, every draw places exactly the table's windows at random over all heads instead (a fixed window
     histogram, so every draw costs the same compute)."""
+
+    READS = frozenset({"candidates", "random"})
+
+    @classmethod
+    def reads(cls, cfg: AAHConfig) -> frozenset[str]:
+        return frozenset({"random"}) if cfg.random.table is not None else cls.READS  # a table's windows, not candidates
 
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:

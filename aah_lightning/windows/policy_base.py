@@ -8,7 +8,8 @@ rank-averaged probe), never on rank-local randomness. Everything it needs to con
 through ``state_dict`` (plain tensors, lists and ints: checkpoints load with ``torch.load(weights_only=True)``).
 
 A policy checks its own settings in the classmethod ``validate`` (one ``ConfigError`` line naming the setting),
-before anything is built, and tells diagnostics what it decided through ``report()`` (a ``PolicyReport``), which
+before anything is built, and says which of ``model.aah``'s policy settings it reads (``READS``; the others get one
+warning line, never a refusal), and tells diagnostics what it decided through ``report()`` (a ``PolicyReport``), which
 ``report_from_state`` rebuilds from a checkpoint's ``state_dict``.
 
 Built-in policies live in the modules of ``BUILTIN_MODULES``, imported the first time a name is looked up. A policy
@@ -64,6 +65,14 @@ class WindowPolicy:
     """Base class: every head sees the whole causal context and nothing ever changes (override what differs)."""
 
     name = "base"
+    # The settings of ``config.POLICY_SETTINGS`` this policy reads; the others it ignores (a warning, never a
+    # refusal). None: the policy does not say (nothing is reported as unused, every setting is checked).
+    READS: frozenset[str] | None = None
+
+    @classmethod
+    def reads(cls, cfg: AAHConfig) -> frozenset[str] | None:
+        """Which settings of ``config.POLICY_SETTINGS`` this policy reads under ``cfg`` (``READS``)."""
+        return cls.READS
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         self.cfg = cfg

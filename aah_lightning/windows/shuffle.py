@@ -32,6 +32,8 @@ SEED_OFFSET = 3
 class ShufflePolicy(WindowPolicy):
     """The adaptive controller's choice, with windows permuted among the heads of each layer."""
 
+    READS = frozenset({"candidates", "controller", "shuffle"})
+
     @classmethod
     def validate(cls, cfg: AAHConfig, seq_len: int, n_layer: int, n_head: int) -> None:
         AdaptivePolicy.validate(cfg, seq_len, n_layer, n_head)  # the wrapped controller's settings

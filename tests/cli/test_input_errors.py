@@ -174,11 +174,40 @@ def test_a_controller_setting_under_a_policy_that_ignores_it_warns():
     aah = AAHConfig(policy="random", candidates=[8, 16, 32])
     aah.controller.budget.target_acr = 0.5
     assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == [
-        "model.aah.controller.budget.target_acr=0.5 has no effect with model.aah.policy='random': only the adaptive policy "
-        "reads model.aah.controller"
+        "model.aah.controller.budget.target_acr=0.5 has no effect with model.aah.policy='random', which reads "
+        "model.aah.candidates and model.aah.random: it is ignored"
     ]
-    aah.policy = "adaptive"  # the policy that reads it: no warning
-    assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == []
+    for policy in ("adaptive", "shuffle"):  # the policies that read it (shuffle wraps the controller): no warning
+        aah.policy = policy
+        assert _warnings_of(AAHModule(gpt=gpt, aah=aah), data) == [], policy
+
+
+def test_settings_a_policy_does_not_read_warn_in_one_line_and_are_never_refused():
+    from aah_lightning.windows.config import AAHConfig
+
+    data = TextDataModule(source="synthetic", seq_len=32, batch_size=4)
+    gpt = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=65)
+    # The retrofit recipe's candidates (up to 2048) switched to one fixed window at a shorter context: the fixed
+    # policy never reads them, so a candidate longer than the context is no reason to stop.
+    fixed = AAHConfig(policy="fixed", candidates=[8, 16, 64], fixed={"window": 8})
+    module = AAHModule(gpt=gpt, aah=fixed)
+    assert _warnings_of(module, data) == [
+        "model.aah.candidates=[8, 16, 64] has no effect with model.aah.policy='fixed', which reads model.aah.fixed: "
+        "it is ignored"
+    ]
+    assert module.policy.report().candidates == [4, 8, 16, 32]  # what its windows are reported against: T/8 .. T
+    full = AAHConfig(policy="full", candidates=[8, 16, 32], static={"table": [[8, 8], [8, 8]]})
+    assert _warnings_of(AAHModule(gpt=gpt, aah=full), data) == [
+        "model.aah.candidates=[8, 16, 32], model.aah.static.table=[[8, 8], [8, 8]] have no effect with "
+        "model.aah.policy='full', which reads none of these settings: they are ignored"
+    ]
+    drawn = AAHConfig(policy="random", candidates=[8, 16, 32], random={"table": [[8, 32], [8, 8]]})
+    assert _warnings_of(AAHModule(gpt=gpt, aah=drawn), data) == [
+        "model.aah.candidates=[8, 16, 32] has no effect with model.aah.policy='random', which reads "
+        "model.aah.random: it is ignored"
+    ]
+    with pytest.raises(ConfigError, match=r"model.aah.candidates=\[8, 16, 64\] is not allowed"):
+        AAHModule(gpt=gpt, aah=AAHConfig(policy="random", candidates=[8, 16, 64]))  # read, so still checked
 
 
 def test_a_recall_vocabulary_that_dwarfs_the_model_warns():

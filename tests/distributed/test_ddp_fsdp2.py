@@ -22,6 +22,7 @@ from helpers.distributed import (
     STEPS,
     check_ranks,
     fit,
+    fit_args,
     preempted_then_resumed,
     sigterm_then_resumed,
 )
@@ -104,6 +105,35 @@ def test_fsdp2_sigterm_saves_every_shard_of_the_step_and_resumes_like_ddp(tmp_pa
     for rank in (0, 1):
         assert_same_training(ddp_reference[rank], read_run(tmp_path / "rec", rank), rel=1e-4)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == STEPS
+
+
+def test_fsdp2_on_a_full_disk_stops_every_rank_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real 1000 KiB file system: room for the first distributed checkpoint (about 590 KiB: two shards, the metadata
+    and meta.pt), not for the next one beside it. Every rank stops with exit code 4, rank 0 says why in one line, and
+    last.ckpt still names the complete checkpoint of step 1."""
+    from helpers.disks import small_disk
+    from helpers.launch import run_ranks
+
+    with small_disk(tmp_path / "disk", "1000k") as disk:
+        folder = disk / "ckpt"
+        args = fit_args(
+            tmp_path, FSDP2, f"--checkpoint.dirpath={folder}", "--trainer.strategy.init_args.data_parallel_size=2"
+        )
+        codes, output = run_ranks(args, 2, tmp_path, tmp_path / "fit", timeout=600)
+        assert codes == [4, 4], output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+        lines = [line for line in output.splitlines() if line.startswith("aah: ")]
+        assert len(lines) == 1, output[-4000:]
+        assert lines[0].startswith(
+            f"aah: error: could not write checkpoint {folder}/last.ckpt: no space left in {folder} (the checkpoint "
+            "needs about "
+        ), lines
+        assert "the previous checkpoint there (if any) is intact" in lines[0]
+        names = sorted(os.listdir(folder))  # the link and the folder it names: no temporary folder, no lock
+        assert len(names) == 2 and names[1] == "last.ckpt" and names[0].startswith(".last.ckpt."), names
+        assert os.path.realpath(folder / "last.ckpt") == str(folder / names[0])
+        assert torch.load(folder / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 1
+        assert len([p for p in os.listdir(folder / "last.ckpt") if p.endswith(".distcp")]) == 2
 
 
 def test_tensor_parallel_defaults_are_refused(tmp_path):

@@ -149,6 +149,35 @@ def test_an_empty_out_folder_is_used_and_parents_are_created(make_module, write_
     shutil.rmtree(tmp_path / "a")
 
 
+def test_an_export_onto_a_full_disk_leaves_nothing_not_even_its_folder(make_module, write_checkpoint, tmp_path, capsys):
+    """On a real 64 KiB file system (the export's weights alone are larger): one line, and nothing left, not the
+    temporary folder nor the folders made for --out."""
+    from helpers.disks import small_disk
+
+    good = write_checkpoint(make_module(seed=0), tmp_path / "good.ckpt")
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        out = disk / "exports" / "tiny"
+        line = refused(["--ckpt_path", good, "--out", str(out)], capsys, tmp_path)
+        assert line.startswith(f"aah export: error: --out={str(out)!r} could not be written: no space left in "), line
+        assert f"in {out.parent} (the export needs about 0.2 MiB, " in line
+        assert line.endswith("nothing was left there: free space there or choose another --out")
+        assert list(disk.iterdir()) == []
+
+
+def test_the_folder_a_killed_export_left_is_removed_by_the_next(make_module, write_checkpoint, tmp_path, capsys):
+    """A SIGKILL mid-write leaves the hidden temporary folder (the name never appears half-written); the next export
+    beside it removes it once its writer is gone."""
+    from aah_lightning.atomic import partial_name
+
+    good = write_checkpoint(make_module(seed=0), tmp_path / "good.ckpt")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / "exports" / partial_name().replace(f"-{os.getpid()}-", f"-{int(dead.stdout)}-")
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"half")
+    assert run_export(["--ckpt_path", good, "--out", str(tmp_path / "exports" / "tiny")], capsys)[0] == 0
+    assert os.listdir(tmp_path / "exports") == ["tiny"]
+
+
 def test_synthetic_checkpoint_exports_without_a_tokenizer(make_module, write_checkpoint, tmp_path, capsys):
     module = make_module(seed=5)
     ckpt = write_checkpoint(module, tmp_path / "syn.ckpt", source="synthetic")

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import textwrap
 import time
+import warnings
 
 import lightning as L
 import pytest
@@ -32,6 +33,7 @@ from aah_lightning.model.config import GPTConfig
 from aah_lightning.preflight import resolve_ckpt_path
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import available_policies
+from helpers import disks
 from helpers.cli import PYTHON, cli_error, subprocess_env, tiny_config, train_tiny
 
 STALLING_WRITER = textwrap.dedent(
@@ -83,17 +85,8 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint_intact(tmp_path)
 def small_disk(tmp_path):
     """A real 600 KiB file system (a tmpfs: room for one tiny checkpoint, not for the next one beside it), or a skip
     where this machine does not let the test mount one (not root, no CAP_SYS_ADMIN); the fake below still runs."""
-    folder = tmp_path / "small_disk"
-    folder.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
+    with disks.small_disk(tmp_path / "small_disk", "600k") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_full_disk_during_a_save_is_one_line_exit_4_and_keeps_the_previous_checkpoint(tmp_path, small_disk, capsys):
@@ -351,6 +344,54 @@ def test_a_lock_of_another_host_is_stale_when_its_heartbeat_stops(tmp_path, sile
         with pytest.raises(ConfigError, match="in use by another run: PID 4242 on host node-elsewhere"):
             mine.acquire()
         assert json.loads(lock.read_text())["id"] == "theirs"  # untouched
+
+
+def test_a_run_that_lost_its_folder_stops_before_its_next_save_naming_the_new_holder(tmp_path, capsys, monkeypatch):
+    """A run stopped past its lock's heartbeat (here: the heartbeat made stale by hand) whose folder another process
+    then took over: its next save checks the lock first, and the run stops in one line (exit code 4), writing
+    nothing, leaving the other run's lock in place."""
+    from helpers.takeover import TakeOver
+
+    monkeypatch.setattr(folder_lock.FolderLock, "HEARTBEAT_S", 3600.0)  # no heartbeat of this run in between
+    folder = tmp_path / "ckpts"
+    args = ["fit", "--config", tiny_config(tmp_path), "--trainer.max_steps=4"]
+    args += ["--trainer.callbacks+=helpers.takeover.TakeOver", f"--trainer.callbacks.folder={tmp_path}"]
+    try:
+        code, line = cli_error(args, capsys)
+        (holder,) = TakeOver.holders
+        assert code == 4, line
+        assert line.startswith(
+            f"aah: error: checkpoint.dirpath={str(folder)!r} is no longer this run's: PID {holder.pid} "
+        )
+        assert f"on host {socket.gethostname()} holds it now (started " in line
+        assert line.endswith("so it stops here and writes nothing more there"), line
+        assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 1  # step 2 was not written
+        assert sorted(os.listdir(folder)) == [folder_lock.LOCK_NAME, "last.ckpt"]  # no temporary file either
+        assert json.loads((folder / folder_lock.LOCK_NAME).read_text())["pid"] == holder.pid  # theirs, kept
+    finally:
+        for proc in TakeOver.holders:
+            proc.kill()
+            proc.wait()
+        TakeOver.holders.clear()
+
+
+def test_a_fresh_run_says_nothing_of_its_own_lock_but_a_line_of_another_runs_checkpoints(tmp_path):
+    def warnings_of(*extra) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(["fit", "--config", tiny_config(tmp_path), *extra])
+        said = [str(w.message) for w in caught]
+        return [m for m in said if "not empty" in m or m.startswith("checkpoint.dirpath=")]
+
+    folder = tmp_path / "ckpts"
+    assert warnings_of("--trainer.max_steps=2") == []  # the folder holds this run's lock only
+    (again,) = warnings_of("--trainer.max_steps=2")  # a second run, not a resume, on the first one's checkpoints
+    assert again == (
+        f"checkpoint.dirpath={str(folder)!r} holds checkpoints of an earlier run (best-step2.ckpt, last.ckpt) that "
+        "this run does not continue: its own go beside them, and over those of the same name (last.ckpt); to go on "
+        "from them pass --ckpt_path last, else give this run another checkpoint.dirpath"
+    )
+    assert warnings_of("--trainer.max_steps=4", "--ckpt_path=last") == []  # the run that continues them
 
 
 def test_the_run_holds_the_lock_while_it_trains_and_keeps_it_alive(tmp_path, monkeypatch):

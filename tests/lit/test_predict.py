@@ -179,9 +179,11 @@ def test_prompt_files_are_checked():
         ("no_folder", "the folder"),
         ("output_is_folder", "is a folder"),
         ("other_shape", "holds a model with model.gpt.vocab_size=65"),
+        ("synthetic", "aah predict needs a text tokenizer, and data.source='synthetic' has none"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_config, capsys, case, words):
+    # With the logger of a real run: every refusal comes before the Trainer starts, where the logger makes its folder.
     config = text_config()
     prompts = write_prompts(tmp_path / "p.txt", ["def f("])
     out = tmp_path / "out.jsonl"
@@ -208,10 +210,16 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_config, capsys,
     elif case == "other_shape":
         ckpts = train_tiny(tmp_path / "synthetic")  # vocabulary 65: the byte tokenizer needs 257
         extra = [f"--ckpt_path={ckpts}/last.ckpt"]
-    code, line = cli_error(["predict", "--config", config, *args.values(), *extra], capsys)
+    elif case == "synthetic":
+        extra = ["--data.source=synthetic"]
+    logger = [
+        "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+        f"--trainer.logger.save_dir={tmp_path}/tb",
+    ]
+    before = sorted(tmp_path.rglob("*"))
+    code, line = cli_error(["predict", "--config", config, *args.values(), *extra, *logger], capsys)
     assert code == 2 and line.startswith("aah: error:") and words in line, line
-    assert not out.is_file()
-    assert not list(tmp_path.glob("**/.aah-*"))  # no temporary file left behind
+    assert sorted(tmp_path.rglob("*")) == before  # no output, no temporary file, no log folder
 
 
 def test_the_output_file_has_the_mode_a_plain_open_gives_or_the_one_it_replaces(tmp_path):

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from aah_lightning.data.batch import split_batch
 from aah_lightning.errors import ConfigError, require
+from aah_lightning.progress import stage
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.controller import features, reach, settling
 from aah_lightning.windows.controller.allocators import LayerInputs
@@ -43,6 +44,8 @@ class AdaptivePolicy(WindowPolicy):
     (``grouping.py``, ``hierarchy.py``), reach first and kept reach (``reach.py``), the budget and its ceiling
     (``ceiling.py``, ``budget.py``), the allocators without a budget (``registry.py``) and settling
     (``settling.py``)."""
+
+    READS = frozenset({"candidates", "controller"})
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
@@ -116,7 +119,10 @@ class AdaptivePolicy(WindowPolicy):
             return None
         tokens, targets, docs = split_batch(batch)
         previous = self.table
-        table = self.decide(self.signal.measure(self, model, tokens, targets, docs, batch.get("loss_mask")), step)
+        # A decision on a large model takes minutes (the gain signal runs L x H x (K - 1) forwards): shown as it goes.
+        with stage(f"windows at step {step}: measuring ({self.settings.need.signal} signal)", unit="fwd"):
+            measured = self.signal.measure(self, model, tokens, targets, docs, batch.get("loss_mask"))
+            table = self.decide(measured, step)
         return None if previous is not None and torch.equal(previous, table) else table
 
     # -- measuring ---------------------------------------------------------------------------------------------------

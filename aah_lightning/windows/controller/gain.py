@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aah_lightning import progress
 from aah_lightning.model import masks
 from aah_lightning.windows.probe import ProbeResult, run_probe
 
@@ -96,9 +97,13 @@ def run_gain_probe(
     L, H, K = len(table), len(table[0]), len(candidates)
     gain = torch.zeros(L, H, K, dtype=torch.float64)
     se2 = torch.zeros(L, H, K, dtype=torch.float64)
+    # One forward per (head, candidate) other than its window in force, and the base: the count the progress shows.
+    shown = progress.current()
+    shown.set_total(1 + sum(min(w, T) != min(row[h], T) for row in table for h in range(H) for w in candidates))
     try:
         model.eval()
         base = _token_losses(model, tokens, targets, docs, None)[counted].double()
+        shown.advance()
         for layer in range(L):
             for head in range(H):
                 losses = []
@@ -109,6 +114,7 @@ def run_gain_probe(
                     plans = list(model.attention_plans(T, docs))
                     plans[layer] = OneHeadWindow(plans[layer], head, w, docs, getattr(model, "sink", 0))
                     losses.append(_token_losses(model, tokens, targets, docs, plans)[counted].double())
+                    shown.advance()
                 for j, lj in enumerate(losses):
                     gain[layer, head, j] = (losses[0] - lj).mean()
                     move = base - lj  # from the window in force to candidate j, token by token

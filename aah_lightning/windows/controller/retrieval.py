@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from aah_lightning import progress
 from aah_lightning.model.attention import Recording
 from aah_lightning.windows.probe import full_causal_probs
 
@@ -76,15 +77,20 @@ def run_retrieval_probe(
     context at a retrofit's step 0): a head is judged by where it looks, not by what its window lets it see."""
     probes, distance = copy_probes(tokens, n_probes, span, generator)
     was_training = model.training
+    shown = progress.current()  # the forward, then the full-causal scores of each layer
     try:
         model.eval()
         plans = [Recording(plan) for plan in model.attention_plans(probes.shape[1])]
+        shown.set_total(1 + len(plans))
         model(probes, None, plans=plans)
+        shown.advance()
     finally:
         model.train(was_training)
-    hits = torch.stack(
-        [retrieval_hits(*plan.records[0][:2], span, distance.to(probes.device)) for plan in plans], dim=1
-    ).cpu()  # [n, L, H]
+    layers = []
+    for plan in plans:
+        layers.append(retrieval_hits(*plan.records[0][:2], span, distance.to(probes.device)))
+        shown.advance()
+    hits = torch.stack(layers, dim=1).cpu()  # [n, L, H]
     reach = torch.tensor([[d - 1 < w for w in candidates] for d in distance.tolist()], dtype=torch.float64)  # [n, K]
     per_probe = hits.unsqueeze(-1) * reach.view(-1, 1, 1, len(candidates))  # [n, L, H, K]
     n = per_probe.shape[0]
