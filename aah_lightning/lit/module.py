@@ -37,6 +37,7 @@ from aah_lightning.lit import distributed
 from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
 from aah_lightning.lit.lightning_private import attached_trainer
+from aah_lightning.lit.rewind import Rewind
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.model.generate import GenerationConfig, generate
 from aah_lightning.model.gpt import GPT
@@ -209,6 +210,7 @@ class AAHModule(L.LightningModule):
         self.policy = make_policy(aah, n_layer, n_head, seq_len)
         self.model = GPT(self.gpt_config, sink=aah.sink)  # validated by make_policy
         self.model.set_windows(self.policy.initial_table())
+        self.rewind = Rewind(self.policy.rewind_step())  # calibrate-and-rewind, when the policy asks for it
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
@@ -276,6 +278,9 @@ class AAHModule(L.LightningModule):
             table = self.policy.on_train_step(self.global_step, self.model, batch)
             if table is not None:
                 self.model.set_windows(table)
+            if self.rewind.due(self.global_step):  # the calibration's table is set: back to step 0's weights
+                schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+                self.rewind.apply(self.model, self.trainer.optimizers, schedulers)
             changed = self.model.windows._version != version
             self.table_sync.update(self.model.windows, self.global_step, changed)
             self.window_usage.step(self.model.windows, changed)
@@ -376,15 +381,20 @@ class AAHModule(L.LightningModule):
             # epoch-based run now, before a resumed run's loop state (the data position) is restored.
             planned = getattr(self.trainer.datamodule, "planned_steps", lambda: None)()
             total = int(planned if planned is not None else self.trainer.estimated_stepping_batches)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_factor(step, cfg.warmup_steps, total, cfg.min_lr_ratio)
-        )
+
+        def factor(step: int) -> float:  # after a rewind the schedule starts again from the rewind's step
+            origin = self.rewind.lr_origin(step)
+            return lr_factor(step - origin, cfg.warmup_steps, total - origin, cfg.min_lr_ratio)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoint extras -------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         # The CLI checks this before the Trainer starts; repeated here for code that drives a Trainer directly.
         check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
+        if stage == "fit":
+            self.rewind.check(self.trainer.strategy)
 
     def on_fit_start(self) -> None:
         ddp = self.trainer.strategy.model  # the DistributedDataParallel wrapper under DDP
@@ -398,6 +408,7 @@ class AAHModule(L.LightningModule):
     def on_train_start(self) -> None:
         if hasattr(self.policy, "set_run_length"):  # a budget that is a mean over the run needs the run's length
             self.policy.set_run_length(int(self.trainer.estimated_stepping_batches))
+        self.rewind.start(self.model, self.global_step)
         # Restored here, after Lightning has built the train loader (which draws from the global RNG), so the
         # generators continue from exactly where the interrupted run saved them.
         if self._rng_to_restore is not None:
@@ -410,6 +421,7 @@ class AAHModule(L.LightningModule):
             self.table_sync.verify(self.model.windows, self.global_step)  # never save a table only one rank has
         checkpoint[RNG_KEY] = distributed.gather(distributed.rng_state())  # every rank's, in rank order
         checkpoint[WINDOW_USAGE_KEY] = self.window_usage.state_dict()
+        self.rewind.save(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint of another shape: one line naming the setting, before load_state_dict's wall of text.
@@ -421,6 +433,7 @@ class AAHModule(L.LightningModule):
             widen_full_windows(checkpoint, self.gpt_config.seq_len)  # evaluated at a longer T: full heads stay full
         self.policy.load_state_dict(checkpoint.get(POLICY_KEY, {}))
         self.window_usage.load_state_dict(checkpoint.get(WINDOW_USAGE_KEY))
+        self.rewind.load(checkpoint)
         states = checkpoint.get(RNG_KEY)
         if states is not None:
             # Rank r continues saved rank r's generators; a rank the saved run did not have (a resume on more

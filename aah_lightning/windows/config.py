@@ -310,11 +310,16 @@ class ScheduleConfig:
         warmup_steps: every head sees the full context until this step; the first decision is made here.
         control_interval: decide every this many steps after warmup.
         freeze_after: no decision after this step (None = never freeze); ``= warmup_steps`` decides once.
+        rewind: calibrate-and-rewind: the ``warmup_steps`` before the first decision are a calibration (full
+            context); right after that decision the model's weights go back to those of step 0, the optimizer's
+            state is cleared and the learning-rate schedule starts again, and training goes on with the table it
+            chose (``lit/rewind.py``). The calibration's steps and their attention cost count in the run's.
     """
 
     warmup_steps: int = 100
     control_interval: int = 50
     freeze_after: Optional[int] = None
+    rewind: bool = False
 
     def validate(self, key: str) -> None:
         require(self.warmup_steps >= 0, key + "warmup_steps", self.warmup_steps, ">= 0")
@@ -324,6 +329,12 @@ class ScheduleConfig:
             key + "freeze_after",
             self.freeze_after,
             f"None or >= warmup_steps={self.warmup_steps} (else no decision is ever made)",
+        )
+        require(
+            not self.rewind or self.warmup_steps >= 1,
+            key + "rewind",
+            self.rewind,
+            f"false with warmup_steps={self.warmup_steps}: a rewind needs a calibration (warmup_steps >= 1)",
         )
 
     def is_control_step(self, step: int) -> bool:
@@ -459,6 +470,13 @@ class ControllerConfig:
         self.reach.validate(key + "reach.", candidates, n_head, self.budget.target() is not None)
         self.settle.validate(key + "settle.")
         self.schedule.validate(key + "schedule.")
+        require(  # the calibration is the full-context warmup: explorers would make it a formation instead
+            not (self.schedule.rewind and self.reach.explorers),
+            key + "schedule.rewind",
+            self.schedule.rewind,
+            f"false with reach.explorers={self.reach.explorers}: the calibration a rewind measures is the full-context "
+            f"warmup (kept reach, reach.heads, is allowed)",
+        )
         if self.budget.target() is not None and self.allocation.allocator != "reach":
             raise ConfigError(
                 f"{key}allocation.allocator={self.allocation.allocator!r} does not take a compute budget (its "

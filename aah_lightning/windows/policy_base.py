@@ -2,7 +2,8 @@
 
 A policy is one class, registered with ``@register("name")``; ``model.aah.policy: name`` selects it. The
 LightningModule builds it with ``(cfg, n_layer, n_head, seq_len)``, asks it for the initial ``[n_layer, n_head]``
-table, and before every optimizer step calls ``on_train_step``, which returns a new table or None. Decisions must be
+table, and before every optimizer step calls ``on_train_step``, which returns a new table or None; a policy whose ``rewind_step`` is a step has the run go back to
+its initial weights right after its decision at that step (calibrate-and-rewind). Decisions must be
 identical on every rank: a policy may depend on its settings, the step, its own seeded generators and the model (a
 rank-averaged probe), never on rank-local randomness. Everything it needs to continue exactly after a resume goes
 through ``state_dict`` (plain tensors, lists and ints: checkpoints load with ``torch.load(weights_only=True)``).
@@ -88,6 +89,11 @@ class WindowPolicy:
 
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         """Called before training step ``step`` (0-based optimizer steps). Return a new table to apply, or None."""
+        return None
+
+    def rewind_step(self) -> int | None:
+        """The step at which the run goes back to its initial weights and optimizer state, keeping the table the
+        policy set at that step (calibrate-and-rewind, ``lit/rewind.py``); None: never. Fixed by the settings."""
         return None
 
     def report(self) -> PolicyReport:

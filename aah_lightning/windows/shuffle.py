@@ -71,6 +71,9 @@ class ShufflePolicy(WindowPolicy):
         """The controller's groups and their chosen windows (the heads' windows then show the shuffle)."""
         return self.inner.report()
 
+    def rewind_step(self) -> int | None:
+        return self.inner.rewind_step()  # a calibrated table permuted, then the rewind: the chance control of a rewind
+
     def set_run_length(self, total_steps: int) -> None:
         self.inner.set_run_length(total_steps)  # the controller's budget over the run (permuting keeps its cost)
 

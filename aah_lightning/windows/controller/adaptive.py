@@ -114,6 +114,11 @@ class AdaptivePolicy(WindowPolicy):
     def is_control_step(self, step: int) -> bool:
         return self.settings.schedule.is_control_step(step)
 
+    def rewind_step(self) -> int | None:
+        """Calibrate-and-rewind: the first decision, at the end of the full-context warmup."""
+        schedule = self.settings.schedule
+        return schedule.warmup_steps if schedule.rewind else None
+
     def on_train_step(self, step: int, model, batch) -> Tensor | None:
         if not self.is_control_step(step) or self.last_step == step:
             return None
