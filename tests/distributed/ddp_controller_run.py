@@ -1,8 +1,8 @@
 """Two-process DDP run (gloo, CPU) of the adaptive policy; each rank saves what it decided.
 
 Run by tests/distributed/test_controller_ddp.py as ``python tests/distributed/ddp_controller_run.py OUT_DIR
-[MECHANISM]`` (``mass``, the default, ``reach_gain``: explorers and the gain signal, or ``reach_gain_kept``: that
-with kept reach); Lightning's ddp launcher starts rank 1 by running this same command again.
+[MECHANISM]`` (``mass``, the default, ``reach_gain``: explorers and the gain signal, ``reach_gain_kept``: that
+with kept reach, or ``rewind_gain_kept``: kept reach and calibrate-and-rewind); Lightning's ddp launcher starts rank 1 by running this same command again.
 """
 
 import sys
@@ -33,6 +33,8 @@ MECHANISMS = {
     "mass": {},
     "reach_gain": REACH_GAIN,
     "reach_gain_kept": {**REACH_GAIN, "reach": {**REACH_GAIN["reach"], "heads": 1}},
+    # calibrate-and-rewind: the decision at step 2 with kept reach, then every rank back to step 0's weights
+    "rewind_gain_kept": {"need": {"signal": "gain"}, "reach": {"heads": 1}, "schedule": {"rewind": True}},
 }
 
 
@@ -42,7 +44,7 @@ def main(out_dir: str, mechanism: str = "mass") -> None:
     dm = TextDataModule(source="synthetic", seq_len=T, batch_size=4, synthetic={"documents": 200}, seed=0)
     blocks = MECHANISMS[mechanism]
     controller = ControllerConfig(
-        schedule={"warmup_steps": 2, "control_interval": 3},
+        schedule={"warmup_steps": 2, "control_interval": 3, **blocks.get("schedule", {})},
         need={"probe_queries": 16, **blocks.get("need", {})},
         budget={"target_acr": 0.4},
         groups={"depth": 2},
@@ -69,7 +71,12 @@ def main(out_dir: str, mechanism: str = "mass") -> None:
     )
     trainer.fit(model, dm)
     torch.save(
-        {"tables": record.tables, "batches": record.batches, "policy": model.policy.state_dict()},
+        {
+            "tables": record.tables,
+            "batches": record.batches,
+            "policy": model.policy.state_dict(),
+            "params": {k: v.detach().clone() for k, v in model.model.named_parameters()},
+        },
         f"{out_dir}/rank{trainer.global_rank}.pt",
     )
     shutdown_process_group()

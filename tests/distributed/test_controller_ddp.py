@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mechanism", ["mass", "reach_gain", "reach_gain_kept"])
+@pytest.mark.parametrize("mechanism", ["mass", "reach_gain", "reach_gain_kept", "rewind_gain_kept"])
 def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path, mechanism):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(
@@ -24,6 +24,7 @@ def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path, mechanism):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
+    assert ("calibrate-and-rewind at step 2" in run.stdout + run.stderr) == (mechanism == "rewind_gain_kept")
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert len(r0["tables"]) == len(r1["tables"]) == 12
@@ -31,6 +32,8 @@ def test_two_ranks_hold_the_same_table_after_control_steps(tmp_path, mechanism):
     for a, b in zip(r0["tables"], r1["tables"]):
         assert torch.equal(a, b)  # ... and still decided the same windows at every step
     assert len({str(t.tolist()) for t in r0["tables"]}) > 1  # and the windows did change
+    for name in r0["params"]:  # DDP keeps them equal; after a rewind each rank restored its own copy of step 0's
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
     p0, p1 = r0["policy"], r1["policy"]
     assert p0["decisions"] == p1["decisions"] == 4  # steps 2, 5, 8, 11
     for key in p0:
