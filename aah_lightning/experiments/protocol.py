@@ -30,7 +30,7 @@ ORACLE = "oracle"
 # Fair chance: the oracle's windows placed on heads drawn at random over the whole model (layer included); every
 # controller row is compared with it, since a mechanism that must find the layer has to beat a guess that does not.
 FAIR_CHANCE = "random_any"
-CONTROLLERS = re.compile(r"^(adaptive|reach|gain)")  # rows whose windows a controller decides
+CONTROLLERS = re.compile(r"^(adaptive|reach|gain|rewind|span)")  # rows whose windows a controller decides
 
 
 def far_recall(rec: dict) -> float:

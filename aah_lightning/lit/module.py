@@ -13,6 +13,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
@@ -32,7 +33,7 @@ from aah_lightning.checkpoint import (
     upgrade_hyperparameters,
 )
 from aah_lightning.data.batch import split_batch
-from aah_lightning.errors import require
+from aah_lightning.errors import ConfigError, require
 from aah_lightning.lit import distributed
 from aah_lightning.lit.checks import check_run
 from aah_lightning.lit.evaluation import BitsPerByte, PositionLoss, RecallAccuracy, widen_full_windows
@@ -46,6 +47,7 @@ from aah_lightning.model_source import ModelSource
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.metrics import usage_head_acr
 from aah_lightning.windows.policy_base import make_policy
+from aah_lightning.windows.span import spans_of
 
 
 @dataclass
@@ -211,6 +213,7 @@ class AAHModule(L.LightningModule):
         self.model = GPT(self.gpt_config, sink=aah.sink)  # validated by make_policy
         self.model.set_windows(self.policy.initial_table())
         self.rewind = Rewind(self.policy.rewind_step())  # calibrate-and-rewind, when the policy asks for it
+        self.spans = spans_of(self.policy)  # a policy's learned parameters (learned_span), optimised with the model
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.val_position_loss, self.test_position_loss = PositionLoss(), PositionLoss()
@@ -287,6 +290,8 @@ class AAHModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
+        if self.spans is not None:  # frozen spans stay in the graph at zero weight (DDP wants every gradient)
+            loss = self.policy.tie_to_loss(loss)
         self.log("train/loss", self._step_loss(loss.detach()), prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])  # a Python float: no sync
         return loss
@@ -367,10 +372,13 @@ class AAHModule(L.LightningModule):
                 target[id(p)] = p
         for key in decay.keys() & no_decay.keys():
             decay.pop(key)
-        return [
+        groups = [
             {"params": list(decay.values()), "weight_decay": self.optim_config.weight_decay},
             {"params": list(no_decay.values()), "weight_decay": 0.0},
         ]
+        if self.spans is not None:  # learned spans: their own learning rate, no decay pulling them to zero
+            groups.append({"params": list(self.spans.parameters()), "weight_decay": 0.0, "lr": self.policy.lr})
+        return groups
 
     def configure_optimizers(self):
         cfg = self.optim_config
@@ -395,6 +403,11 @@ class AAHModule(L.LightningModule):
         check_run(self, self.trainer.datamodule, self.trainer.strategy.root_device, stage)
         if stage == "fit":
             self.rewind.check(self.trainer.strategy)
+            if self.spans is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+                raise ConfigError(
+                    "model.aah.policy=learned_span is not supported under FSDP2 (ModelParallelStrategy): its spans "
+                    "are a parameter beside the sharded model; use DDP or one device"
+                )
 
     def on_fit_start(self) -> None:
         ddp = self.trainer.strategy.model  # the DistributedDataParallel wrapper under DDP

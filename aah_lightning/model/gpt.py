@@ -237,6 +237,9 @@ class GPT(nn.Module):
         # The window table: every head starts with the full causal context.
         self.register_buffer("windows", torch.full((cfg.n_layer, cfg.n_head), cfg.seq_len, dtype=torch.int32))
         self.planner = AttentionPlanner(cfg.block_size)
+        # While a learned span trains (windows/span.py): a callable (plans, doc_ids) -> plans that wraps each layer's
+        # plan of the hard windows in its ramped attention. None: the window table's plans, as they are.
+        self.soft_plans = None
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -263,7 +266,8 @@ class GPT(nn.Module):
         needs_grad = torch.is_grad_enabled()
         name = resolve_backend(backend or self.cfg.backend, self.windows.device, needs_grad, seq_len)
         docs = doc_ids if self.cfg.document_mask else None
-        return self.planner.plans(self.windows, seq_len, name, docs, self.sink)
+        plans = self.planner.plans(self.windows, seq_len, name, docs, self.sink)
+        return plans if self.soft_plans is None else self.soft_plans(plans, docs)
 
     def forward(
         self,

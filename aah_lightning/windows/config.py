@@ -550,10 +550,36 @@ class ShuffleConfig:
     redraw_interval: int = 0
 
 
-_BLOCKS = {"fixed": FixedConfig, "static": StaticConfig, "random": RandomConfig, "shuffle": ShuffleConfig}
+@dataclass
+class SpanConfig:
+    """Settings of the ``learned_span`` policy (``model.aah.span``; ``windows/span.py``).
+
+    Attributes:
+        target_acr: the budget: the heads' mean ``min(T, span + width) / T`` never exceeds it (each step's spans are
+            projected onto it); the hard windows ``ceil(span + width)`` are what the run pays.
+        width: the ramp's width R in tokens: the weight of a key falls from 1 at ``span`` to 0 at ``span + width``.
+        freeze_at: the step at which the spans stop learning and become hard windows (no ramp) for the rest of the
+            run; at least 1.
+        lr: the spans' peak learning rate (their own AdamW group, no weight decay, the run's schedule); a span is a
+            fraction of T, so one step moves it by about ``lr * T`` tokens at most.
+    """
+
+    target_acr: Optional[float] = None
+    width: int = 32
+    freeze_at: Optional[int] = None
+    lr: float = 0.01
+
+
+_BLOCKS = {
+    "fixed": FixedConfig,
+    "static": StaticConfig,
+    "random": RandomConfig,
+    "shuffle": ShuffleConfig,
+    "span": SpanConfig,
+}
 # The settings of ``model.aah`` that one policy reads and another does not (``WindowPolicy.reads``); ``seed`` and
 # ``sink`` are not among them: every policy that draws reads the seed, and the sink is the model's.
-POLICY_SETTINGS = ("candidates", "fixed", "static", "random", "shuffle", "controller")
+POLICY_SETTINGS = ("candidates", "fixed", "static", "random", "shuffle", "controller", "span")
 
 
 def _changed(key: str, value, default) -> list[str]:
@@ -577,7 +603,8 @@ class AAHConfig:
             or a table's windows placed at random over all heads; in ``random``), ``adaptive`` (the AAH controller,
             settings in ``controller``), ``shuffle`` (the controller's table with each layer's windows permuted
             among its heads at every decision and, with ``shuffle.redraw_interval`` > 0, every that many steps; a
-            control), or ``module:name`` of a policy registered in an importable module (docs/architecture.md,
+            control), ``learned_span`` (one learned soft span per head under a budget, then hard windows; in
+            ``span``), or ``module:name`` of a policy registered in an importable module (docs/architecture.md,
             "Adding a window policy"; its settings in ``plugin``).
         candidates: the window sizes a policy may choose from, ascending; default ``[T/8, T/4, T/2, T]``.
         seed: seed of the ``random`` policy (and of the ``adaptive`` policy's probe sampling, random grouping and
@@ -590,6 +617,7 @@ class AAHConfig:
         static: settings of the ``static`` policy (``StaticConfig``).
         random: settings of the ``random`` policy (``RandomConfig``).
         shuffle: settings of the ``shuffle`` policy (``ShuffleConfig``).
+        span: settings of the ``learned_span`` policy (``SpanConfig``).
         controller: settings of the ``adaptive`` policy, and of the controller ``shuffle`` wraps (``ControllerConfig``).
         plugin: settings of a policy registered outside the package, a mapping that policy reads and checks itself
             (``model.aah.plugin.window: 8``).
@@ -608,6 +636,7 @@ class AAHConfig:
     static: StaticConfig = field(default_factory=StaticConfig)
     random: RandomConfig = field(default_factory=RandomConfig)
     shuffle: ShuffleConfig = field(default_factory=ShuffleConfig)
+    span: SpanConfig = field(default_factory=SpanConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     plugin: dict[str, Any] = field(default_factory=dict)
     window: Optional[int] = None

@@ -19,6 +19,7 @@ BUILTIN_MODULES = (
     "aah_lightning.windows.policies",  # full, fixed, static, random
     "aah_lightning.windows.controller.adaptive",  # adaptive: the AAH controller
     "aah_lightning.windows.shuffle",  # shuffle: the controller's table permuted per layer
+    "aah_lightning.windows.span",  # learned_span: a learned soft span per head, then hard windows
 )
 
 POLICIES: dict[str, type] = {}  # name -> a WindowPolicy subclass
