@@ -226,6 +226,7 @@ def test_checkpoints_of_every_policy_load_weights_only(tmp_path, policy):
         static={"table": [[8, 32], [16, 8]]},
         random={"table": [[8, 32], [16, 8]], "redraw_interval": 1},
         shuffle={"redraw_interval": 1},
+        span={"target_acr": 0.5, "width": 8, "freeze_at": 2},  # learned_span: learns, then freezes (state saved)
     )
     if hasattr(aah, "controller"):  # the adaptive policy: decide at every step, so its state is not empty
         schedule, need = aah.controller.schedule, aah.controller.need

@@ -75,6 +75,7 @@ def module(rewind: bool = True, **controller) -> AAHModule:
     )
     c = controller_settings(**{**settings, **controller})
     c.schedule.rewind = rewind
+    L.seed_everything(0)  # the same initial weights whatever ran before in this process
     return AAHModule(
         gpt=GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=T, vocab_size=VOCAB),
         aah=AAHConfig(policy="adaptive", candidates=[8, 16, 32, 64], seed=5, controller=c),
