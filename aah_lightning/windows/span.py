@@ -99,6 +99,7 @@ class LearnedSpanPolicy(WindowPolicy):
         self.spans = Spans(n_layer, n_head, even / seq_len)
         self.last_step: int | None = None
         self.frozen: Tensor | None = None  # the spans in tokens when they stopped learning ([L, H] float32)
+        self.table: Tensor | None = None  # the last table this policy returned (CPU; None after a resume)
 
     # -- the spans ---------------------------------------------------------------------------------------------------
     def tokens(self) -> Tensor:
@@ -117,8 +118,10 @@ class LearnedSpanPolicy(WindowPolicy):
 
     @torch.no_grad()
     def project(self) -> None:
-        z = project_to_budget(self.tokens().detach(), self.width, self.seq_len, self.target)
-        self.spans.fraction.copy_(z / self.seq_len)
+        """Project the spans onto the budget, on a host copy: the bisection's many small reductions are not device
+        syncs."""
+        z = project_to_budget(self.tokens().detach().float().cpu(), self.width, self.seq_len, self.target)
+        self.spans.fraction.copy_((z / self.seq_len).to(self.spans.fraction))
 
     def soft_plans(self, plans: list, docs: Tensor | None) -> list:
         """Each layer's hard plan wrapped in its ramped attention (``GPT.soft_plans``)."""
@@ -143,7 +146,10 @@ class LearnedSpanPolicy(WindowPolicy):
             self.frozen = self.tokens().detach().float().cpu()
         self.last_step = step
         table = self.hard_table()
-        return None if torch.equal(table, model.windows.cpu()) else table
+        if self.table is not None and torch.equal(table, self.table):  # compared on the host: no device read
+            return None
+        self.table = table
+        return table.clone()
 
     def tie_to_loss(self, loss: Tensor) -> Tensor:
         """``loss`` with the spans in its graph at zero weight once they are frozen: DDP expects a gradient for every

@@ -8,35 +8,23 @@ under ``aah_policy``), independent of how the text data module finds its positio
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.lit.module import AAHModule, OptimConfig
 from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig
 from helpers.controller_inputs import controller_settings
+from helpers.step_data import StepData, quiet_trainer
 
 T = 64
 STEPS, STOP = 14, 7
 VOCAB = 32
 
 
-class StepBatches(IterableDataset):
-    """Batch ``s`` for steps ``start, start + 1, ...``: random tokens seeded by the step, with a copy structure."""
-
-    def __init__(self, start: int):
-        self.start = start
-
-    def __iter__(self):
-        for step in range(self.start, STEPS):
-            g = torch.Generator().manual_seed(1000 + step)
-            half = torch.randint(0, VOCAB, (4, T // 2 + 1), generator=g)
-            tokens = torch.cat([half, half[:, : T // 2]], dim=1)  # second half repeats the first
-            yield {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
-
-
-class StepData(L.LightningDataModule):
-    def train_dataloader(self):
-        return DataLoader(StepBatches(self.trainer.global_step), batch_size=None)
+def batch_of(step: int) -> dict:
+    """Random tokens seeded by the step, with a copy structure."""
+    half = torch.randint(0, VOCAB, (4, T // 2 + 1), generator=torch.Generator().manual_seed(1000 + step))
+    tokens = torch.cat([half, half[:, : T // 2]], dim=1)  # second half repeats the first
+    return {"tokens": tokens, "doc_ids": torch.zeros_like(tokens)}
 
 
 class Record(L.Callback):
@@ -62,7 +50,7 @@ MECHANISMS = {
 
 def run(ckpt_path=None, stop_at=None, mechanism="mass"):
     L.seed_everything(0)
-    dm = StepData()
+    dm = StepData(batch_of, STEPS)
     controller = controller_settings(
         warmup_steps=2,
         control_interval=3,
@@ -79,17 +67,7 @@ def run(ckpt_path=None, stop_at=None, mechanism="mass"):
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
     )
     record = Record(stop_at)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[record],
-    )
+    trainer = quiet_trainer(STEPS, [record])
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer, module, record.tables
 

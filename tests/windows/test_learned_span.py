@@ -6,7 +6,6 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule, OptimConfig
@@ -16,6 +15,7 @@ from aah_lightning.model.gpt import GPT
 from aah_lightning.windows.config import AAHConfig, SpanConfig
 from aah_lightning.windows.policy_base import make_policy
 from aah_lightning.windows.span import project_to_budget
+from helpers.step_data import StepData, quiet_trainer
 
 
 def reference(q, k, v, span, width):
@@ -204,20 +204,6 @@ def test_learned_span_settings_are_checked():
 STEPS = 8
 
 
-class StepBatches(IterableDataset):
-    def __init__(self, start: int):
-        self.start = start
-
-    def __iter__(self):
-        for step in range(self.start, STEPS):
-            yield copy_batch(torch.Generator().manual_seed(1000 + step), n=4)
-
-
-class StepData(L.LightningDataModule):
-    def train_dataloader(self):
-        return DataLoader(StepBatches(self.trainer.global_step), batch_size=None)
-
-
 class StopAt(L.Callback):
     def __init__(self, stop_at):
         self.stop_at = stop_at
@@ -234,18 +220,9 @@ def fit(ckpt_path=None, stop_at=None):
         aah=AAHConfig(policy="learned_span", span=SpanConfig(target_acr=28 / T, width=16, freeze_at=4)),
         optim=OptimConfig(lr=1e-2, warmup_steps=1),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[StopAt(stop_at)],
-    )
-    trainer.fit(module, StepData(), ckpt_path=ckpt_path)
+    trainer = quiet_trainer(STEPS, [StopAt(stop_at)])
+    data = StepData(lambda step: copy_batch(torch.Generator().manual_seed(1000 + step), n=4), STEPS)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, module
 
 

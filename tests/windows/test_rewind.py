@@ -7,7 +7,6 @@ import copy
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.module import AAHModule, OptimConfig, lr_factor
@@ -16,26 +15,15 @@ from aah_lightning.model.config import GPTConfig
 from aah_lightning.windows.config import AAHConfig
 from aah_lightning.windows.policy_base import make_policy
 from helpers.controller_inputs import controller_settings
+from helpers.step_data import StepData, quiet_trainer
 
 T, VOCAB, STEPS, REWIND_AT = 64, 32, 8, 3
 
 
-class StepBatches(IterableDataset):
-    """Batch ``s`` for steps ``start, start + 1, ...``: random tokens seeded by the step, the second half a copy."""
-
-    def __init__(self, start: int):
-        self.start = start
-
-    def __iter__(self):
-        for step in range(self.start, STEPS):
-            g = torch.Generator().manual_seed(1000 + step)
-            half = torch.randint(0, VOCAB, (4, T // 2 + 1), generator=g)
-            yield {"tokens": torch.cat([half, half[:, : T // 2]], dim=1)}
-
-
-class StepData(L.LightningDataModule):
-    def train_dataloader(self):
-        return DataLoader(StepBatches(self.trainer.global_step), batch_size=None)
+def batch_of(step: int) -> dict:
+    """Random tokens seeded by the step, the second half a copy of the first."""
+    half = torch.randint(0, VOCAB, (4, T // 2 + 1), generator=torch.Generator().manual_seed(1000 + step))
+    return {"tokens": torch.cat([half, half[:, : T // 2]], dim=1)}
 
 
 class Watch(L.Callback):
@@ -86,18 +74,8 @@ def module(rewind: bool = True, **controller) -> AAHModule:
 def fit(m: AAHModule, ckpt_path=None, stop_at=None) -> tuple[L.Trainer, Watch]:
     L.seed_everything(0)
     watch = Watch(stop_at)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[watch],
-    )
-    trainer.fit(m, StepData(), ckpt_path=ckpt_path)
+    trainer = quiet_trainer(STEPS, [watch])
+    trainer.fit(m, StepData(batch_of, STEPS), ckpt_path=ckpt_path)
     return trainer, watch
 
 
