@@ -89,10 +89,13 @@ class RecallConfig:
             data.val_blocks / data.test_blocks sequences of their own.
         fraction: with a text source (stdlib, files, tokens): this share of the training, validation and test blocks
             are recall sequences, with ids above the tokenizer's (0 = none).
-        task: mqar (multi-query associative recall) or copy (every token after the first copy_distance repeats the
-            one that far back; data/recall.py).
+        task: mqar (multi-query associative recall), copy (every token after the first copy_distance repeats the
+            one that far back) or relay (values bound to the key relay_gap tokens after them, each key queried once;
+            with windows of 2 only a layer at depth >= relay_gap can hold the retrieval head); data/recall.py.
         copy_distance: the copy task's distance; default 5/8 of seq_len (160 at T = 256: only a window wider than
             T/2 reaches it).
+        relay_gap: the relay task's distance from a bound value to its key (the value must be carried forward that
+            far before a query can read it at its key).
     """
 
     keys: int = 32
@@ -100,12 +103,13 @@ class RecallConfig:
     gaps: Literal["mix", "uniform", "loguniform"] = "mix"
     blocks: int = 1_000_000
     fraction: float = 0.0
-    task: Literal["mqar", "copy"] = "mqar"
+    task: Literal["mqar", "copy", "relay"] = "mqar"
     copy_distance: Optional[int] = None
+    relay_gap: int = 2
 
     def check(self, seq_len: int) -> None:
         """Refuse a bad recall setting in one line naming it (``seq_len``: ``data.seq_len``, already checked)."""
-        from aah_lightning.data.recall import GAPS, TASKS  # numpy and torch: only when a data module is built
+        from aah_lightning.data.recall import GAPS, TASKS, relay_bindings  # numpy and torch: only when data is built
 
         require(self.gaps in GAPS, "data.recall.gaps", self.gaps, f"one of {', '.join(GAPS)}")
         require(isinstance(self.values, int) and self.values >= 2, "data.recall.values", self.values, ">= 2")
@@ -118,6 +122,22 @@ class RecallConfig:
             distance,
             f"None (5/8 of data.seq_len) or an integer in [1, data.seq_len={seq_len})",
         )
+        if self.task == "relay":
+            gap = self.relay_gap
+            require(
+                isinstance(gap, int) and 1 <= gap <= seq_len // 8,
+                "data.recall.relay_gap",
+                gap,
+                f"an integer in [1, data.seq_len/8={seq_len // 8}]",
+            )
+            bound = relay_bindings(seq_len + 1, gap)
+            require(
+                isinstance(self.keys, int) and self.keys >= bound,
+                "data.recall.keys",
+                self.keys,
+                f">= {bound} (a relay sequence of data.seq_len={seq_len} binds {bound} distinct keys)",
+            )
+            return
         slots = -(-(seq_len + 1) // 3)
         require(
             isinstance(self.keys, int) and self.keys >= 2,

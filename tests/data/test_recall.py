@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from aah_lightning.cli import main
-from aah_lightning.data.recall import RecallBlocks, recall_sequence
+from aah_lightning.data.recall import (
+    CLASSES,
+    RecallBlocks,
+    recall_sequence,
+    relay_circuit_possible,
+    relay_placement_chance,
+    relay_sequence,
+)
 from aah_lightning.errors import ConfigError
 from aah_lightning.lit.datamodule import TextDataModule
 from aah_lightning.lit.evaluation import RecallAccuracy
@@ -113,6 +120,11 @@ def test_recall_mixed_into_text_shares_blocks_and_grows_the_vocabulary(tmp_path)
         ({"source": "stdlib", "recall": {"fraction": 1.0}}, "data.recall.fraction=1.0 is not allowed"),
         ({"source": "recall", "recall": {"task": "passkey"}}, "data.recall.task='passkey' is not allowed"),
         ({"source": "recall", "recall": {"copy_distance": 64}}, "data.recall.copy_distance=64 is not allowed"),
+        ({"source": "recall", "recall": {"task": "relay", "relay_gap": 0}}, "data.recall.relay_gap=0 is not allowed"),
+        (
+            {"source": "recall", "recall": {"task": "relay", "keys": 8}},
+            r"data.recall.keys=8 is not allowed: >= 10 \(a relay sequence",
+        ),
     ],
 )
 def test_bad_recall_settings_are_one_clear_error(settings, match):
@@ -147,3 +159,74 @@ def test_chance_is_one_over_the_values():
         item = ds[i]
         metric.update(torch.randn(1, 64, 13), item["tokens"][1:].unsqueeze(0), item["recall_distance"].unsqueeze(0))
     assert math.isclose(float(metric.compute()["all"]), 1 / 13, abs_tol=0.05)
+
+
+def test_relay_answers_are_values_bound_gap_tokens_before_their_keys():
+    """A relay binding is ``v f f k c``; every key comes back once as a query ``k v``; the loss counts the answers and
+    the class after each bound key, nothing else; no token but the bound key and its query names a key."""
+    gap, n_keys, n_values = 2, 64, 16
+    for i in range(20):
+        tokens, mask, dist = relay_sequence(np.random.default_rng(i), T + 1, n_keys, n_values, gap)
+        targets = tokens[1:]
+        assert len(tokens) == T + 1 and len(mask) == len(dist) == T
+        answers = np.flatnonzero(dist)
+        assert len(answers) == (T + 1) // (gap + 4) == 42  # every bound key queried once
+        key_at = {}
+        for a in answers:
+            d, key = dist[a], tokens[a]
+            assert key < n_keys and tokens[a - d] == key  # the query's key, bound d back
+            value = tokens[a - d - gap]
+            assert n_keys <= value < n_keys + n_values and targets[a] == value  # the value gap tokens before it
+            fillers = tokens[a - d - gap + 1 : a - d]
+            assert len(fillers) == gap - 1 and (fillers == n_keys + n_values).all()
+            assert targets[a - d] == n_keys + n_values + 1 + (value - n_keys) % CLASSES  # the class after the key
+            key_at[key] = a
+        assert sorted((tokens < n_keys).nonzero()[0].tolist()) == sorted(
+            [a - dist[a] for a in answers] + list(key_at.values())
+        )
+        classes = {a - dist[a] for a in answers}
+        assert (mask == ((dist > 0) | np.isin(np.arange(T), list(classes)))).all()
+        assert dist.max() > 200 and dist[answers].min() >= 2  # answers across the whole context
+
+
+def _carried(table, tokens_len, gap, queries):
+    """Brute force: which positions each position has heard of before each layer (every head of a layer reads the
+    positions its window covers), then whether some head can answer every query from a key that knows its value."""
+    known = [{p} for p in range(tokens_len)]
+    for row in table:
+        for w in row:
+            if all(p - d < w and (p - d - gap) in known[p - d] for p, d in queries):
+                return True
+        widest = max(row)
+        known = [set().union(*known[max(0, p - widest + 1) : p + 1]) for p in range(tokens_len)]
+    return False
+
+
+def test_the_relay_circuit_needs_a_long_head_below_which_the_value_is_carried():
+    """``relay_circuit_possible`` against a brute-force flow of information through the windows of random tables, on
+    real relay sequences; then the exact chance of a random placement of the oracle's table (one head of the whole
+    context in layer 3, windows of 2 elsewhere) is one in four: the long head must land in the last layer."""
+    gap = 3
+    tokens, _mask, dist = relay_sequence(np.random.default_rng(0), T + 1, 64, 16, gap)
+    queries = [(int(a), int(dist[a])) for a in np.flatnonzero(dist)]
+    rng = np.random.default_rng(1)
+    outcomes = set()
+    for _ in range(60):
+        table = rng.choice([2, 2, 2, 3, 4, 256], size=(4, 4)).tolist()
+        possible = relay_circuit_possible(table, gap, reach=max(d for _, d in queries) + 1)
+        assert possible == _carried(table, T, gap, queries), table
+        outcomes.add(possible)
+    assert outcomes == {True, False}
+    oracle = [[2] * 4, [2] * 4, [2] * 4, [256, 2, 2, 2]]
+    assert relay_circuit_possible(oracle, gap, T)
+    for layer in range(3):
+        moved = [[2] * 4 for _ in range(4)]
+        moved[layer][0] = 256
+        assert not relay_circuit_possible(moved, gap, T)
+    assert relay_placement_chance(oracle, gap, T) == (0.25, 16)
+    # the shipped rows (configs/relay): 3 layers, gap 2, the long head must land in layer 2
+    shipped = [[2] * 4, [2] * 4, [256, 2, 2, 2]]
+    assert relay_placement_chance(shipped, 2, T) == (pytest.approx(1 / 3), 12)
+    # two long heads: only both in one layer of the first three fails (18 of the 120 placements)
+    two = [[2] * 4, [2] * 4, [2] * 4, [256, 256, 2, 2]]
+    assert relay_placement_chance(two, gap, T) == (1 - 18 / 120, 120)

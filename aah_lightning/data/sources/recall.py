@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from aah_lightning.data.recall import RecallBlocks
+from aah_lightning.data.recall import RecallBlocks, relay_ids
 from aah_lightning.data.sources.base import DataSource, Splits, register_source, source_class
 
 
@@ -20,8 +20,9 @@ class RecallSource(DataSource):
 
     @property
     def ids(self) -> int:
-        """Token ids the task uses: its keys and values."""
-        return self.settings.recall.keys + self.settings.recall.values
+        """Token ids the task uses: its keys and values (and the relay task's fillers and classes)."""
+        rc = self.settings.recall
+        return relay_ids(rc.keys, rc.values) if rc.task == "relay" else rc.keys + rc.values
 
     def vocabulary(self, tokenizer) -> tuple[int, int]:
         return self.ids + 1, self.ids  # keys, values, and an end-of-document id after them
@@ -39,6 +40,7 @@ class RecallSource(DataSource):
             offset=offset,
             task=rc.task,
             copy_distance=rc.copy_distance or hp.seq_len * 5 // 8,
+            relay_gap=rc.relay_gap,
         )
 
     def splits(self, tokenizer, rank: int, world: int, endless: bool) -> Splits:
