@@ -109,7 +109,7 @@ class RecallConfig:
 
     def check(self, seq_len: int) -> None:
         """Refuse a bad recall setting in one line naming it (``seq_len``: ``data.seq_len``, already checked)."""
-        from aah_lightning.data.recall import GAPS, TASKS, relay_bindings  # numpy and torch: only when data is built
+        from aah_lightning.data.recall import GAPS, TASKS  # numpy and torch: only when a data module is built
 
         require(self.gaps in GAPS, "data.recall.gaps", self.gaps, f"one of {', '.join(GAPS)}")
         require(isinstance(self.values, int) and self.values >= 2, "data.recall.values", self.values, ">= 2")
@@ -130,14 +130,6 @@ class RecallConfig:
                 gap,
                 f"an integer in [1, data.seq_len/8={seq_len // 8}]",
             )
-            bound = relay_bindings(seq_len + 1, gap)
-            require(
-                isinstance(self.keys, int) and self.keys >= bound,
-                "data.recall.keys",
-                self.keys,
-                f">= {bound} (a relay sequence of data.seq_len={seq_len} binds {bound} distinct keys)",
-            )
-            return
         slots = -(-(seq_len + 1) // 3)
         require(
             isinstance(self.keys, int) and self.keys >= 2,

@@ -103,48 +103,53 @@ def relay_ids(n_keys: int, n_values: int) -> int:
     return n_keys + n_values + 1 + CLASSES
 
 
-def relay_bindings(length: int, gap: int) -> int:
-    """Keys a relay sequence of ``length`` tokens binds (and queries once each): a binding takes ``gap + 2`` tokens
-    and its query 2."""
-    return length // (gap + 4)
-
-
-def relay_sequence(rng: np.random.Generator, length: int, n_keys: int, n_values: int, gap: int = 2):
+def relay_sequence(rng: np.random.Generator, length: int, n_keys: int, n_values: int, gap: int = 2, gaps: str = "mix"):
     """The deep task: ``(tokens, loss_mask, distance)`` as ``recall_sequence`` returns them.
 
     A binding is ``v f .. f k c``: a value, ``gap - 1`` fillers (one token), its key ``gap`` tokens after the value,
-    and the value's class (``CLASSES`` of them). After every binding, each bound key comes back once, in a random order, as
-    a query ``k v``. Counted targets: the class after each bound key (the key's position must know its value, ``gap``
-    tokens back) and the answer after each query, at distance ``d`` from the query back to the bound key.
+    and the value's class (``CLASSES`` of them). A bound key comes back once, as a query ``k v``, a delay drawn from
+    ``gaps`` (in tokens, as recall's gaps are drawn in slots) after its binding. Left to right: the query that is due
+    earliest, or else a new binding (when keys run out, the earliest query comes early). Counted targets: the class
+    after each bound key (the key's position must know its value, ``gap`` tokens back) and the answer after each
+    query, at distance ``d`` from the query back to the bound key.
 
-    What makes it deep: a query finds its key by the key's own token, and reads the value there only once the value
+    What makes it deep: a query finds its key by the key's own token, and can read the value there only once the value
     has been carried forward into the key's position. A head of window 2 (itself and the token before) moves a token
     one position per layer, so with such short heads the value reaches its key after ``gap`` layers, and only a long
     head in a layer at depth ``>= gap`` can answer (answers lie up to the whole context back). A long head spent on
     the carrying leaves none to answer with, and the class token next to the key tells a quarter of the value at
-    most. The class target rewards each step of the carrying before an answer exists (as the echo does for recall).
-    Keys ``[0, n_keys)``, values ``[n_keys, n_keys + n_values)``, then the filler, then the ``CLASSES`` classes;
-    the tail after the last query is fillers. (With a random filler per position the value had to be told apart from
-    the fillers carried along with it, and a 4-layer model did not learn the task with ``gap`` 3 in 5,000 steps.)
+    most. The class target rewards each step of the carrying before an answer exists (as the echo does for recall),
+    and the short delays give answers to learn from early (as recall's do). Keys ``[0, n_keys)``, values
+    ``[n_keys, n_keys + n_values)``, then the filler, then the ``CLASSES`` classes; a tail too short for a binding is
+    fillers.
     """
-    n = relay_bindings(length, gap)
-    keys = rng.permutation(n_keys)[:n]
-    values = rng.integers(n_keys, n_keys + n_values, size=n)
     filler, class0 = n_keys + n_values, n_keys + n_values + 1
     tokens = np.full(length, filler, dtype=np.int64)
     answer = np.zeros(length, dtype=np.int64)
     target = np.zeros(length, dtype=bool)
-    slot = gap + 2
-    for i, (k, v) in enumerate(zip(keys, values)):
-        at = i * slot
-        tokens[at], tokens[at + gap], tokens[at + gap + 1] = v, k, class0 + (v - n_keys) % CLASSES
-        target[at + gap] = True  # the key's position predicts its value's class
-    for j, i in enumerate(rng.permutation(n)):
-        at = n * slot + 2 * j
-        tokens[at], tokens[at + 1] = keys[i], values[i]
-        answer[at] = at - (i * slot + gap)
+    fresh = list(rng.permutation(n_keys))
+    due: list[tuple[int, int, int, int]] = []  # (due position, order, key, value): ties go to the earlier binding
+    bound_at: dict[int, int] = {}
+    at = order = 0
+    while at < length:
+        if due and (due[0][0] <= at or not fresh):
+            _, _, key, value = heapq.heappop(due)
+            tokens[at : at + 2] = (key, value)[: length - at]
+            answer[at] = at - bound_at[key]
+            at += 2
+        elif fresh and at + gap + 2 <= length:
+            key, value = int(fresh.pop()), int(rng.integers(n_keys, n_keys + n_values))
+            k = at + gap
+            tokens[at], tokens[k], tokens[k + 1] = value, key, class0 + (value - n_keys) % CLASSES
+            target[k] = True  # the key's position predicts its value's class
+            bound_at[key] = k
+            heapq.heappush(due, (k + 2 + _gap(rng, length, gaps), order, key, value))
+            order += 1
+            at += gap + 2
+        else:
+            break
     answer, target = answer[: length - 1], target[: length - 1]
-    return tokens.astype(np.int64), (answer > 0) | target, answer
+    return tokens, (answer > 0) | target, answer
 
 
 def relay_circuit_possible(table: list[list[int]], gap: int, reach: int) -> bool:
@@ -224,7 +229,9 @@ class RecallBlocks(Dataset):
                 rng, self.seq_len + 1, self.n_keys + self.n_values, self.copy_distance
             )
         elif self.task == "relay":
-            tokens, mask, distance = relay_sequence(rng, self.seq_len + 1, self.n_keys, self.n_values, self.relay_gap)
+            tokens, mask, distance = relay_sequence(
+                rng, self.seq_len + 1, self.n_keys, self.n_values, self.relay_gap, self.gaps
+            )
         else:
             tokens, mask, distance = recall_sequence(rng, self.seq_len + 1, self.n_keys, self.n_values, self.gaps)
         return {
