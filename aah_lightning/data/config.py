@@ -83,8 +83,8 @@ class RecallConfig:
     Attributes:
         keys: keys of the task (at least the slots of a sequence would need: a key is bound once per sequence).
         values: values of the task (chance accuracy is 1 / values).
-        gaps: how far a key comes back, in 3-token slots: mix (half log-uniform, half uniform over the sequence),
-            uniform or loguniform.
+        gaps: how far a key comes back, in 3-token slots (in tokens for the relay task): mix (half log-uniform, half
+            uniform over the sequence), uniform or loguniform.
         blocks: training sequences of source=recall (generated on demand: none is stored); validation and test use
             data.val_blocks / data.test_blocks sequences of their own.
         fraction: with a text source (stdlib, files, tokens): this share of the training, validation and test blocks

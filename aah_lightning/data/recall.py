@@ -35,8 +35,8 @@ from torch.utils.data import Dataset
 
 SLOT = 3  # k v k
 GAPS = ("mix", "uniform", "loguniform")
-# multi-query associative recall; a copy at one distance (``copy_sequence``); recall whose key must be relayed through
-# the depth of the model before it can be found (``relay_sequence``)
+# multi-query associative recall; a copy at one distance (``copy_sequence``); recall whose value must be carried
+# through the depth of the model to its key before it can be read (``relay_sequence``)
 TASKS = ("mqar", "copy", "relay")
 CLASSES = 4  # relay: the token after a bound key names its value's class (value mod CLASSES)
 SPLITS = {"train": 0, "val": 1, "test": 2}
