@@ -211,7 +211,7 @@ class RecallBlocks(Dataset):
         offset: int = 0,
         task: str = "mqar",
         copy_distance: int | None = None,
-        relay_gap: int = 3,
+        relay_gap: int = 2,
     ):
         self.seq_len, self.count, self.n_keys, self.n_values = seq_len, count, n_keys, n_values
         self.gaps, self.seed, self.split, self.offset = gaps, seed, SPLITS[split], offset

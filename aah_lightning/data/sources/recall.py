@@ -20,7 +20,7 @@ class RecallSource(DataSource):
 
     @property
     def ids(self) -> int:
-        """Token ids the task uses: its keys and values (and the relay task's fillers and classes)."""
+        """Token ids the task uses: its keys and values (and the relay task's filler and classes)."""
         rc = self.settings.recall
         return relay_ids(rc.keys, rc.values) if rc.task == "relay" else rc.keys + rc.values
 
