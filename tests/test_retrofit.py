@@ -21,6 +21,7 @@ from aah_lightning.errors import ConfigError
 from aah_lightning.export import importer
 from aah_lightning.lit.module import AAHModule
 from aah_lightning.model import hf_import
+from aah_lightning.windows import metrics
 from helpers.cli import REPO, cli_error
 from helpers.hf_models import save_tiny, save_tokenizer
 from helpers.resume import check_resumed, interrupted_then_resumed, read_run, run_args
@@ -343,6 +344,52 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
     assert not torch.equal(table, hf_import.window_table(hf_import.read_config(folder), theirs.cfg))
     target = yaml.safe_load(open(recipe))["model"]["aah"]["controller"]["budget"]["target_acr"]
     assert float((table.clamp(max=24).double() / 24).mean()) <= target + 1e-9
+
+
+def test_the_cpu_recipe_decides_per_key_value_head_with_a_sink_and_fine_tunes(tmp_path, capsys):
+    """configs/retrofit/smollm2_cpu.yaml on an imported Llama-family model: one decision at step 0 by the retrieval
+    signal, every query head of a key/value head on that head's window (the cache keeps what the windows read), the
+    4-token sink saved with the run, the budget met with the sink paid for, and the weights moved by the fine-tune."""
+    folder = tmp_path / "hf"
+    save_tiny("mistral", folder, num_hidden_layers=4, max_position_embeddings=64)
+    save_tokenizer(folder)
+    assert importer.main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
+    capsys.readouterr()
+    assert retrofit.main([str(tmp_path / "m.ckpt")]) == 0
+    overlay = tmp_path / "source.yaml"
+    overlay.write_text(capsys.readouterr().out)
+    recipe = os.path.join(REPO, "configs", "retrofit", "smollm2_cpu.yaml")
+    small = [  # the recipe at the tiny model's size: T 64, its 2 key/value heads, two steps
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--data.source=synthetic",
+        "--data.synthetic.vocab=63",
+        "--data.synthetic.documents=64",
+        "--data.seq_len=64",
+        "--model.aah.candidates=[4,64]",
+        "--model.aah.controller.need.copy_span=8",
+        "--model.aah.controller.groups.kv_heads=2",
+        "--model.optim.lr=1e-2",
+    ]
+    main(["fit", "--config", recipe, "--config", str(overlay), *small])
+    saved = ck.read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert saved[ck.POLICY_KEY]["decisions"] == 1 and saved[ck.POLICY_KEY]["last_step"] == 0
+    assert ck.hyperparameters(saved)["aah"]["sink"] == 4
+    table = ck.window_table(saved)
+    groups = table.view(4, 2, 2)
+    assert torch.equal(groups[..., 0], groups[..., 1])  # query heads 2k and 2k+1 read key/value head k
+    # 4 + 4 sink positions cost 0.125 a head; the budget buys one whole key/value head of 8 and no more
+    assert sorted(groups[..., 0].flatten().tolist()) == [4] * 7 + [64]
+    target = yaml.safe_load(open(recipe))["model"]["aah"]["controller"]["budget"]["target_acr"]
+    assert float(metrics.acr(table, 64, 4)) <= target + 1e-9
+    imported = ck.read_checkpoint(tmp_path / "m.ckpt")[ck.STATE_DICT_KEY]
+    tuned = saved[ck.STATE_DICT_KEY]
+    assert imported.keys() == tuned.keys()
+    assert not torch.equal(imported["model.wte.weight"], tuned["model.wte.weight"])  # the fine-tune moved the weights
 
 
 RETROFIT_ROWS = sorted(glob.glob(f"{REPO}/configs/retrofit/recall/*.yaml"))

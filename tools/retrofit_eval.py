@@ -7,7 +7,10 @@ Rows at ACR ``--acr`` (the share of the context each head keeps, its sink includ
 ``streaming`` (a sink and one window for all), ``need`` (the controller's step-0 decision with the ``retrieval``
 signal, one group per key/value head, candidates ``[--short, T]``) and ``random_<i>`` (as many long key/value
 heads as ``need``, placed at random), beside ``full``. Each row: perplexity on ``--blocks`` blocks of ``T`` tokens,
-and the passkey suite (``--per-bucket`` trials per distance bucket, the same prompts for every row). The comparisons
+and the passkey suite (``--per-bucket`` trials per distance bucket, the same prompts for every row). With
+``--finetune-steps N`` every row is measured again as ``<row>+ft`` after N steps of a full-model fine-tune (AdamW,
+one block of T tokens a step) under its own table, each from the imported weights, on ``--finetune-text`` (default:
+the Python standard library's sources, the embedded corpus, which shares nothing with the held-out text). The comparisons
 and their exact tests are in ``aah_lightning/experiments/retrofit_verdict.py``. Writes ``verdict.md`` and
 ``verdict.json`` under ``--out`` and prints the table and the command.
 """
@@ -26,6 +29,7 @@ import torch
 
 from aah_lightning.atomic import atomic_write_text
 from aah_lightning.checkpoint import load_model
+from aah_lightning.data import corpora
 from aah_lightning.experiments import retrofit_verdict as rv
 from aah_lightning.windows import metrics
 
@@ -44,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--random-draws", type=int, default=5)
     p.add_argument("--probes", type=int, default=4, help="copy probes of the retrieval signal")
     p.add_argument("--copy-span", type=int, default=32, help="tokens of each copy probe")
+    p.add_argument("--finetune-steps", type=int, default=0, help="0: no fine-tuned rows")
+    p.add_argument("--finetune-lr", type=float, default=2e-5)
+    p.add_argument("--finetune-text", nargs="+", help="fine-tuning text files (globs); default the standard library")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -70,6 +77,24 @@ def main(argv=None) -> int:
         return [int(i) for i in tok.encode(s)]
 
     trials = rv.passkey_trials(hay, encode, buckets, args.per_bucket)
+    tune_blocks = None
+    if args.finetune_steps:
+        tune_files = (
+            sorted({f for pattern in args.finetune_text for f in glob.glob(pattern)})
+            if args.finetune_text
+            else corpora.stdlib_files()
+        )
+        if set(tune_files) & set(files):
+            raise SystemExit("--finetune-text shares files with --text: the held-out text must stay held out")
+        tune_ids: list[int] = []
+        for f in tune_files:  # only as much text as the steps read
+            tune_ids += encode(open(f, encoding="utf-8", errors="replace").read() + "\n\n")
+            if len(tune_ids) >= args.finetune_steps * (T + 1):
+                break
+        n_tune = len(tune_ids) // (T + 1)
+        if n_tune == 0:
+            raise SystemExit(f"--finetune-text holds {len(tune_ids)} tokens: a fine-tuning step needs {T + 1}")
+        tune_blocks = torch.tensor(tune_ids[: n_tune * (T + 1)]).view(n_tune, T + 1)
     L, H = model.cfg.n_layer, model.cfg.n_head
     n_kv = model.cfg.n_kv_head or H
     t0 = time.time()
@@ -85,11 +110,11 @@ def main(argv=None) -> int:
     }
     for i, t in enumerate(rv.random_tables(need, n_kv, args.random_draws)):
         tables[f"random_{i}"] = (t, args.sink)
+    imported = {k: v.clone() for k, v in model.state_dict().items()} if tune_blocks is not None else None
     rows = {}
-    for name, (table, sink) in tables.items():
+
+    def measure(name, table, sink, extra):
         t = time.time()
-        model.set_windows(table)
-        model.sink = sink
         groups = table.view(L, n_kv, H // n_kv)[..., 0]
         rows[name] = {
             "table": table.tolist(),
@@ -99,16 +124,36 @@ def main(argv=None) -> int:
             "losses": rv.block_losses(model, blocks),
             "correct": rv.passkey_correct(model, trials),
             "trials": [(len(x), b, d) for x, b, d in trials],
+            **extra,
         }
         rows[name]["wall_s"] = time.time() - t
         print(f"{name}: {rows[name]['wall_s']:.0f} s", flush=True)
+
+    for name, (table, sink) in tables.items():
+        model.set_windows(table)
+        model.sink = sink
+        measure(name, table, sink, {})
+    if tune_blocks is not None:
+        for name, (table, sink) in tables.items():
+            model.load_state_dict(imported)  # every fine-tune starts from the imported weights
+            model.set_windows(table)
+            model.sink = sink
+            t = time.time()
+            losses = rv.fine_tune(model, tune_blocks, args.finetune_steps, args.finetune_lr)
+            measure(name + rv.FT, table, sink, {"finetune_losses": losses, "finetune_s": time.time() - t})
     md = rv.report(rows, buckets)
     where = [
         f"(layer {i // n_kv}, kv {i % n_kv})" for i, g in enumerate(need.view(L, n_kv, -1)[..., 0].flatten()) if g >= T
     ]
     head = (
         f"`{command}`\n\nT = {T}, ACR {args.acr}, sink {args.sink}, fixed window {w_fixed}, streaming window "
-        f"{w_stream}, need: candidates [{args.short}, {T}], {args.probes} copy probes of {args.copy_span} tokens, decided in {decide_s:.0f} s; "
+        f"{w_stream}, "
+        + (
+            f"fine-tune: {args.finetune_steps} steps of one {T}-token block, AdamW at {args.finetune_lr:g}, full model, "
+            if args.finetune_steps
+            else ""
+        )
+        + f"need: candidates [{args.short}, {T}], {args.probes} copy probes of {args.copy_span} tokens, decided in {decide_s:.0f} s; "
         f"its long key/value heads: {', '.join(where) or 'none'}.\n\n"
     )
     os.makedirs(args.out, exist_ok=True)

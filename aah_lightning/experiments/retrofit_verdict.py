@@ -10,6 +10,9 @@ Rows (``tables``), all at the same budget (ACR, the share of the context each he
 * ``random_<i>``: the same number of long key/value heads as ``need``, drawn at random over the whole model (one
   seeded draw each), every other head as ``need``'s.
 
+With a fine-tune, every row is measured twice: as imported, and as ``<row>+ft`` after ``fine_tune`` under its own
+table from the same imported weights; rows are compared only with rows of their own kind (tuned with tuned).
+
 Measures (``evaluate``): per-block loss on held-out text (paired over blocks against ``full``: the sign test and the
 paired permutation test) and a passkey suite (a five-digit key in held-out text, asked for at the end; one trial
 is correct when every digit is the model's argmax under teacher forcing; the same prompts for every row, so rows are
@@ -119,6 +122,34 @@ def block_losses(model, blocks: torch.Tensor) -> list[float]:
     return out
 
 
+FT = "+ft"  # the suffix of a fine-tuned row
+
+
+def fine_tune(model, blocks: torch.Tensor, steps: int, lr: float, seed: int = 0) -> list[float]:
+    """A short full-model fine-tune under the model's current windows and sink: ``steps`` AdamW steps of one block
+    each (``blocks`` ``[n, T + 1]``, taken in a seeded order), the rate warmed up over the first tenth of the steps.
+    Returns the training losses. A loop of its own, not a Trainer: every row starts again from the same imported
+    weights inside one process, where a run per row would reload the checkpoint and its data each time."""
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 10)
+    losses = []
+    model.train()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warm)
+        row = blocks[order[step % len(blocks)]]
+        logits = model(row[None, :-1])
+        loss = F.cross_entropy(logits[0].float(), row[1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
 def mcnemar(a: list[bool], b: list[bool]) -> float:
     """McNemar's exact test: the two-sided binomial test of the discordant trials."""
     ab = sum(x and not y for x, y in zip(a, b))
@@ -127,9 +158,10 @@ def mcnemar(a: list[bool], b: list[bool]) -> float:
 
 
 def report(rows: dict, buckets, baselines=("full", "streaming", "fixed"), tested=("need",)) -> str:
-    """Markdown: per row the KV kept, perplexity against full (paired test over blocks), passkey accuracy per bucket
-    with Clopper-Pearson intervals; then each tested row against each baseline (McNemar on the trials, the sign and
-    permutation tests on the block losses), with Holm over every p-value of the comparisons."""
+    """Markdown: per row the KV kept, perplexity against full as imported (paired test over blocks), passkey accuracy
+    per bucket with Clopper-Pearson intervals; then each tested row against each baseline of its own kind, fine-tuned
+    or not (McNemar on the trials, the sign and permutation tests on the block losses), with Holm over every p-value
+    of the comparisons."""
     full = rows["full"]
     lines = [
         "| row | ACR | KV groups full | perplexity | vs full | "
@@ -147,8 +179,15 @@ def report(rows: dict, buckets, baselines=("full", "streaming", "fixed"), tested
             cells.append(f"{sum(hits)}/{len(hits)} [{lo:.2f}, {hi:.2f}]")
         lines.append(f"| {name} | {r['acr']:.3f} | {r['long']} | {ppl:.2f} | {rel:+.1%} | " + " | ".join(cells) + " |")
     comparisons, pvalues = [], []
-    for t in [n for n in rows if any(n.startswith(x) for x in tested)]:
-        for base in [n for n in rows if n != t and (n in baselines or n.startswith("random"))]:
+
+    def kind(n):  # (the row without its suffix, whether it was fine-tuned)
+        return (n[: -len(FT)], True) if n.endswith(FT) else (n, False)
+
+    for t in [n for n in rows if any(kind(n)[0].startswith(x) for x in tested)]:
+        tuned = kind(t)[1]
+        for base in [n for n in rows if n != t and kind(n)[1] == tuned]:
+            if not (kind(base)[0] in baselines or kind(base)[0].startswith("random")):
+                continue
             a, b = rows[t], rows[base]
             diffs = [x - y for x, y in zip(a["losses"], b["losses"])]
             p = [mcnemar(a["correct"], b["correct"]), stats.sign_test(diffs), stats.paired_permutation_test(diffs)]

@@ -76,14 +76,67 @@ def test_the_tool_runs_on_an_imported_model(tmp_path, capsys):
     argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--blocks", "2"]
     argv += ["--buckets", "20-30,30-40", "--per-bucket", "3", "--short", "12", "--random-draws", "2"]
     argv += ["--probes", "2", "--copy-span", "8", "--sink", "2", "--out", str(out)]
+    (tmp_path / "tune.txt").write_text(" ".join(random.Random(1).choices([f"w{i}" for i in range(62)], k=600)))
+    overlap = ["--finetune-steps", "2", "--finetune-text", str(tmp_path / "text.txt")]
+    assert run_tool("retrofit_eval", *argv, *overlap) == 1
+    assert "the held-out text must stay held out" in capsys.readouterr().err and not out.exists()
+    argv += ["--finetune-steps", "3", "--finetune-lr", "1e-2", "--finetune-text", str(tmp_path / "tune.txt")]
     assert run_tool("retrofit_eval", *argv) == 0
     report = json.loads((out / "verdict.json").read_text())
     rows = report["rows"]
-    assert list(rows) == ["full", "fixed", "streaming", "need", "random_0", "random_1"]
+    names = ["full", "fixed", "streaming", "need", "random_0", "random_1"]
+    assert list(rows) == names + [n + "+ft" for n in names]
     for name, row in rows.items():
-        assert name == "full" or row["acr"] <= 0.25 + 1e-9
+        assert name.startswith("full") or row["acr"] <= 0.25 + 1e-9
         assert len(row["correct"]) == 6 and len(row["losses"]) == 2
     assert rows["random_0"]["long"] == rows["need"]["long"] == rows["random_1"]["long"]
+    for name in names:  # each fine-tune ran under its row's own table, from the imported weights
+        tuned = rows[name + "+ft"]
+        assert tuned["table"] == rows[name]["table"] and len(tuned["finetune_losses"]) == 3
+        assert tuned["losses"] != rows[name]["losses"]
+    assert len({tuple(rows[n + "+ft"]["finetune_losses"][:1]) for n in ("full", "fixed")}) == 2
     md = (out / "verdict.md").read_text()
-    assert "| need | streaming |" in md and "| need | random_1 |" in md
+    assert "| need | streaming |" in md and "| need | random_1 |" in md and "| need+ft | streaming+ft |" in md
+    assert "fine-tune: 3 steps" in md
     assert "python tools/retrofit_eval.py" in capsys.readouterr().out
+
+
+def test_a_fine_tune_lowers_the_loss_it_trains_on_under_the_rows_table():
+    """``fine_tune`` trains the whole model under its current windows and sink: the loss of a block it steps on falls,
+    the windows and the sink are those it was given, and it leaves the model in eval mode."""
+    from aah_lightning.model.config import GPTConfig
+    from aah_lightning.model.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, seq_len=32)).eval()
+    table = torch.tensor([[4, 32, 4, 4], [8, 8, 32, 8]], dtype=torch.int32)
+    model.set_windows(table)
+    model.sink = 2
+    blocks = torch.randint(0, 32, (1, 33))
+    before = rv.block_losses(model, blocks)[0]
+    losses = rv.fine_tune(model, blocks, steps=30, lr=1e-2)
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    assert rv.block_losses(model, blocks)[0] < before - 0.5
+    assert not model.training and model.sink == 2 and torch.equal(model.windows.cpu(), table)
+
+
+def test_fine_tuned_rows_are_compared_with_fine_tuned_rows():
+    rng = random.Random(0)
+    trial = [(10, 0, 5)] * 8
+
+    def row(p):
+        return {
+            "losses": [rng.random() for _ in range(4)],
+            "correct": [rng.random() < p for _ in range(8)],
+            "trials": trial,
+            "acr": 0.25,
+            "long": 1,
+        }
+
+    names = ["full", "streaming", "need", "random_0"]
+    rows = {n: row(0.5) for n in names} | {n + rv.FT: row(0.5) for n in names}
+    md = rv.report(rows, [(0, 10)])
+    pairs = {tuple(line.split(" | ")[:2]) for line in md.splitlines() if line.startswith("| need") and " vs " in line}
+    assert pairs == {("| need", n) for n in ("full", "streaming", "random_0")} | {
+        ("| need+ft", n + rv.FT) for n in ("full", "streaming", "random_0")
+    }
