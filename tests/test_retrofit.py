@@ -296,6 +296,22 @@ def test_a_hugging_face_folder_is_refused_without_its_settings(tmp_path, tiny_ar
     assert "model.gpt.mlp: source 'swiglu', this run 'gelu'" in line and "follows data.tokenizer" in line
 
 
+def two_synthetic_steps(tmp_path) -> list[str]:
+    """A recipe's run cut to two steps and one validation batch, on synthetic token ids of the tiny folders'
+    vocabulary (63 + end of text), its logs and checkpoints under ``tmp_path``."""
+    return [
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
+        f"--checkpoint.dirpath={tmp_path}/ckpt",
+        "--data.source=synthetic",
+        "--data.synthetic.vocab=63",
+        "--data.synthetic.documents=64",
+    ]
+
+
 def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_args, capsys):
     """configs/retrofit/hf_import.yaml with the overlay ``python -m aah_lightning.retrofit`` prints for the folder: the
     folder's weights are what the run starts from (a learning rate too small to move them), and the table is the one
@@ -311,18 +327,10 @@ def test_the_hugging_face_recipe_fine_tunes_an_imported_folder(tmp_path, tiny_ar
     assert settings["model"]["gpt"]["n_kv_head"] == 2 and settings["model"]["gpt"]["mlp"] == "swiglu"
     assert settings["data"]["tokenizer"] == str(folder.resolve())
     recipe = os.path.join(REPO, "configs", "retrofit", "hf_import.yaml")
-    cpu = [  # the recipe on the CPU, two steps, on synthetic token ids of the folder's vocabulary (63 + end of text)
+    cpu = [  # the recipe on the CPU, two steps
         "--trainer.accelerator=cpu",
         "--trainer.precision=32-true",
-        "--trainer.max_steps=2",
-        "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
-        f"--checkpoint.dirpath={tmp_path}/ckpt",
-        "--data.source=synthetic",
-        "--data.synthetic.vocab=63",
-        "--data.synthetic.documents=64",
+        *two_synthetic_steps(tmp_path),
         "--data.seq_len=24",
         "--data.batch_size=4",
         "--data.global_batch_size=null",
@@ -360,15 +368,7 @@ def test_the_cpu_recipe_decides_per_key_value_head_with_a_sink_and_fine_tunes(tm
     overlay.write_text(capsys.readouterr().out)
     recipe = os.path.join(REPO, "configs", "retrofit", "smollm2_cpu.yaml")
     small = [  # the recipe at the tiny model's size: T 64, its 2 key/value heads, two steps
-        "--trainer.max_steps=2",
-        "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
-        f"--checkpoint.dirpath={tmp_path}/ckpt",
-        "--data.source=synthetic",
-        "--data.synthetic.vocab=63",
-        "--data.synthetic.documents=64",
+        *two_synthetic_steps(tmp_path),
         "--data.seq_len=64",
         "--model.aah.candidates=[4,64]",
         "--model.aah.controller.need.copy_span=8",
