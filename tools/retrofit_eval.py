@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.finetune_steps < 0 or args.finetune_lr <= 0:
+        p.error(
+            f"--finetune-steps must be 0 or more and --finetune-lr above 0 (got {args.finetune_steps}, {args.finetune_lr:g})"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python tools/retrofit_eval.py " + shlex.join(sys.argv[1:] if argv is None else argv)

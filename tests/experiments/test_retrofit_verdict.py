@@ -77,6 +77,8 @@ def test_the_tool_runs_on_an_imported_model(tmp_path, capsys):
     argv += ["--buckets", "20-30,30-40", "--per-bucket", "3", "--short", "12", "--random-draws", "2"]
     argv += ["--probes", "2", "--copy-span", "8", "--sink", "2", "--out", str(out)]
     (tmp_path / "tune.txt").write_text(" ".join(random.Random(1).choices([f"w{i}" for i in range(62)], k=600)))
+    assert run_tool("retrofit_eval", *argv, "--finetune-steps", "-1") == 2
+    assert "--finetune-steps must be 0 or more" in capsys.readouterr().err
     overlap = ["--finetune-steps", "2", "--finetune-text", str(tmp_path / "text.txt")]
     assert run_tool("retrofit_eval", *argv, *overlap) == 1
     assert "the held-out text must stay held out" in capsys.readouterr().err and not out.exists()
