@@ -562,12 +562,15 @@ class SpanConfig:
             run; at least 1.
         lr: the spans' peak learning rate (their own AdamW group, no weight decay, the run's schedule); a span is a
             fraction of T, so one step moves it by about ``lr * T`` tokens at most.
+        full_heads: at ``freeze_at``, this many heads with the widest spans get the whole context, and every other
+            span is lowered by one common amount to pay for them (0: the spans as learned).
     """
 
     target_acr: Optional[float] = None
     width: int = 32
     freeze_at: Optional[int] = None
     lr: float = 0.01
+    full_heads: int = 0
 
 
 _BLOCKS = {

@@ -14,6 +14,10 @@ Contract (``model.aah.span``):
   (rounding up adds at most one token per head).
 * **Hard windows.** At ``freeze_at`` the spans stop learning and the last hard windows hold, without the ramp, for
   the rest of the run: the spans become an ordinary window table, exported and served like any other.
+* **Full heads.** With ``span.full_heads = k`` the freeze first gives the ``k`` widest spans (ties: the first in
+  layer-major order) the whole context, then lowers every other span by one common amount until the budget holds
+  again. The ramp tells which head wins the distance; it does not by itself carry that head to the whole context,
+  since the budget holds it back once any other head has span to give up.
 * **How a span gets gradient before a circuit exists.** Only through its ramp: the loss changes with ``z`` where the
   head puts weight on keys between ``z`` and ``z + R``. A head that gains from the furthest keys it can see (on the
   recall task: short recalls, answered within its span, whose circuit then reaches for the next distances) pushes
@@ -43,22 +47,27 @@ class Spans(nn.Module):
         self.fraction = nn.Parameter(torch.full((n_layer, n_head), float(initial)))
 
 
-def project_to_budget(z: Tensor, width: int, seq_len: int, target_acr: float) -> Tensor:
+def project_to_budget(z: Tensor, width: int, seq_len: int, target_acr: float, held: Tensor | None = None) -> Tensor:
     """Spans ``z`` (tokens) lowered by one common amount ``c >= 0`` (each clamped to ``[0, T - R]``) so that the mean
-    of ``min(T, z + R) / T`` is at most ``target_acr``: ``z`` itself when it already is."""
+    of ``min(T, z + R) / T`` is at most ``target_acr``: ``z`` itself when it already is. Spans where the boolean
+    mask ``held`` is set are not lowered (they still count in the mean)."""
     top = float(seq_len - width)
     z = z.clamp(0.0, top)
+    movable = torch.ones_like(z) if held is None else (~held).to(z.dtype)
+
+    def lowered(shift: float) -> Tensor:
+        return (z - shift * movable).clamp(0.0, top)
 
     def cost(shift: float) -> float:
-        return float(((z - shift).clamp(0.0, top) + width).clamp(max=seq_len).mean()) / seq_len
+        return float((lowered(shift) + width).clamp(max=seq_len).mean()) / seq_len
 
     if cost(0.0) <= target_acr:
         return z
-    lo, hi = 0.0, top  # cost(top) = R / T <= target (checked in validate)
+    lo, hi = 0.0, top  # cost(top) <= target: every movable head at its ramp alone (checked in validate)
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if cost(mid) <= target_acr else (mid, hi)
-    return (z - hi).clamp(0.0, top)
+    return lowered(hi)
 
 
 @register("learned_span")
@@ -90,11 +99,21 @@ class LearnedSpanPolicy(WindowPolicy):
         )
         require(isinstance(s.lr, (int, float)) and s.lr > 0, "model.aah.span.lr", s.lr, "a positive learning rate")
         require(cfg.sink == 0, "model.aah.sink", cfg.sink, "0 with policy learned_span (its ramp has no sink)")
+        heads = n_layer * n_head
+        most = int((s.target_acr * heads * seq_len - heads * s.width) // (seq_len - s.width))
+        require(
+            isinstance(s.full_heads, int) and 0 <= s.full_heads <= min(most, heads - 1),
+            "model.aah.span.full_heads",
+            s.full_heads,
+            f"an integer in [0, {min(most, heads - 1)}] (the whole-context heads that target_acr pays for, every "
+            "other head at its ramp alone)",
+        )
 
     def __init__(self, cfg: AAHConfig, n_layer: int, n_head: int, seq_len: int):
         super().__init__(cfg, n_layer, n_head, seq_len)
         s = cfg.span
         self.width, self.target, self.freeze_at, self.lr = s.width, float(s.target_acr), s.freeze_at, float(s.lr)
+        self.full_heads = s.full_heads
         even = max(0.0, self.target * seq_len - self.width)  # every head the same reach at the start
         self.spans = Spans(n_layer, n_head, even / seq_len)
         self.last_step: int | None = None
@@ -123,6 +142,18 @@ class LearnedSpanPolicy(WindowPolicy):
         z = project_to_budget(self.tokens().detach().float().cpu(), self.width, self.seq_len, self.target)
         self.spans.fraction.copy_((z / self.seq_len).to(self.spans.fraction))
 
+    def widen(self, z: Tensor) -> Tensor:
+        """The frozen spans ``z`` with the ``full_heads`` widest at the whole context and the rest lowered to pay for
+        them (``z`` itself when ``full_heads`` is 0)."""
+        if not self.full_heads:
+            return z
+        flat = z.flatten().clone()
+        widest = torch.argsort(flat, descending=True, stable=True)[: self.full_heads]
+        flat[widest] = float(self.seq_len - self.width)
+        held = torch.zeros_like(flat, dtype=torch.bool)
+        held[widest] = True
+        return project_to_budget(flat, self.width, self.seq_len, self.target, held).view_as(z)
+
     def soft_plans(self, plans: list, docs: Tensor | None) -> list:
         """Each layer's hard plan wrapped in its ramped attention (``GPT.soft_plans``)."""
         z = self.tokens()
@@ -143,7 +174,7 @@ class LearnedSpanPolicy(WindowPolicy):
             model.soft_plans = None  # hard windows from here on: the spans of the last learning step
             if self.frozen is not None:
                 return None
-            self.frozen = self.tokens().detach().float().cpu()
+            self.frozen = self.widen(self.tokens().detach().float().cpu())
         self.last_step = step
         table = self.hard_table()
         if self.table is not None and torch.equal(table, self.table):  # compared on the host: no device read

@@ -180,6 +180,30 @@ def test_the_spans_become_hard_windows_at_freeze_at():
     assert policy.on_train_step(6, model, None) is None
 
 
+def test_full_heads_give_the_widest_spans_the_whole_context_at_the_freeze_and_the_rest_pay_for_them():
+    cfg = AAHConfig(
+        policy="learned_span", span=SpanConfig(target_acr=0.45, width=8, freeze_at=1, lr=1e-2, full_heads=1)
+    )
+    policy = make_policy(cfg, 2, 2, T)
+    learned = torch.tensor([[6.0, 4.0], [20.0, 9.0]])  # head (1, 0) won the distance but holds 28 of 48 tokens
+    with torch.no_grad():
+        policy.spans.fraction.copy_(learned / T)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=2, n_head=2, n_embd=32))
+    table = policy.on_train_step(1, model, None)
+    assert int(table[1, 0]) == T  # the widest span: the whole context
+    assert float(table.float().mean()) / T <= 0.45 + 1.0 / T  # the budget holds (rounding up: at most a token a head)
+    z = policy.held()
+    given_up = (learned - z)[torch.tensor([[True, True], [False, True]])]
+    assert float(given_up.min()) > 0  # every other head paid ...
+    moved = z[torch.tensor([[True, True], [False, True]])] > 0
+    assert torch.allclose(given_up[moved], given_up[moved][0].expand_as(given_up[moved]))  # ... one common amount
+    # without full heads the same spans freeze as learned
+    plain = make_policy(AAHConfig(policy="learned_span", span=SpanConfig(0.45, 8, 1, 1e-2)), 2, 2, T)
+    with torch.no_grad():
+        plain.spans.fraction.copy_(learned / T)
+    assert plain.on_train_step(1, model, None).tolist() == [[14, 12], [28, 17]]
+
+
 def test_learned_span_settings_are_checked():
     def check(**span):
         cfg = AAHConfig(
@@ -196,6 +220,13 @@ def test_learned_span_settings_are_checked():
         check(freeze_at=None)
     with pytest.raises(ConfigError, match="model.aah.span.width"):
         check(width=0)
+    check(target_acr=0.6, full_heads=1)  # one head of 48 and one of 8: 56 of the 57.6 tokens paid for
+    with pytest.raises(ConfigError, match=r"model.aah.span.full_heads.*\[0, 0\]"):  # 48 + 8 > 0.5 * 96
+        check(full_heads=1)
+    with pytest.raises(ConfigError, match=r"model.aah.span.full_heads.*\[0, 1\]"):  # never every head
+        check(target_acr=1.0, full_heads=2)
+    with pytest.raises(ConfigError, match="model.aah.span.full_heads"):
+        check(full_heads=-1)
     with pytest.raises(ConfigError, match="model.aah.sink"):
         make_policy(AAHConfig(policy="learned_span", sink=2, span=SpanConfig(0.5, 8, 10)), 1, 2, T)
 
