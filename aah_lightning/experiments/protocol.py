@@ -200,7 +200,7 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
             a,
             b,
             f"{ka}/{na} vs {kb}/{nb}",
-            f"{res['diff']:+.3f} ({res['pairs']} seeds)",
+            f"{res['diff']:+.3f} ({res['pairs']} seeds)" if res["pairs"] else "– (no seed run by both)",
             *(_p(p) for p in res["p"]),
             " / ".join(_p(p) for p in adj),
             verdict,

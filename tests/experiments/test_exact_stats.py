@@ -118,6 +118,16 @@ def test_learned_is_judged_within_the_reach_the_budget_can_buy():
     assert protocol.reach(by_row, {}) == {r: None for r in by_row}
 
 
+def test_rows_run_on_different_seeds_are_compared_by_their_counts_alone():
+    """Seeds 10-19 of one row against seeds 0-9 of another: Fisher's test of the counts, no paired difference."""
+    later = [dict(r, seed=r["seed"] + 10) for r in records("span_acr0.25", [1.0] * 10)]
+    by_row = {"span_acr0.25": later, "fixed_acr0.25": records("fixed_acr0.25", [0.1] * 10)}
+    md = protocol.protocol_md(by_row, list(by_row), {})
+    line = next(x for x in md.splitlines() if x.startswith("| span_acr0.25 | fixed_acr0.25 |"))
+    assert "| 10/10 vs 0/10 | – (no seed run by both) |" in line and "nan" not in line
+    assert line.endswith("better |")  # Fisher alone: 1.1e-05 against one family of one test
+
+
 def test_placement_chance_counts_every_placement():
     """The chance that a random placement puts the widest window in the oracle's layer, against brute force over
     every permutation of the heads (each distinct placement is equally likely under a uniform permutation)."""
