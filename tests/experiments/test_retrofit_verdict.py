@@ -142,3 +142,26 @@ def test_fine_tuned_rows_are_compared_with_fine_tuned_rows():
     assert pairs == {("| need", n) for n in ("full", "streaming", "random_0")} | {
         ("| need+ft", n + rv.FT) for n in ("full", "streaming", "random_0")
     }
+
+
+def test_bf16_mixed_measures_under_autocast_and_says_so(tmp_path):
+    """``--precision bf16-mixed`` runs every row's forwards under bfloat16 autocast: the losses move off the float32
+    ones by bfloat16's rounding, not more, and the report's header states the precision."""
+    folder = tmp_path / "hf"
+    save_tiny("mistral", folder, max_position_embeddings=64)
+    save_tokenizer(folder)
+    from aah_lightning.export.importer import main as import_main
+
+    assert import_main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
+    (tmp_path / "text.txt").write_text(" ".join(random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)))
+    argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--blocks", "2"]
+    argv += ["--buckets", "20-30", "--per-bucket", "2", "--short", "12", "--random-draws", "1"]
+    argv += ["--probes", "2", "--copy-span", "8", "--sink", "2"]
+    losses = {}
+    for precision in ("32-true", "bf16-mixed"):
+        out = tmp_path / precision
+        assert run_tool("retrofit_eval", *argv, "--precision", precision, "--out", str(out)) == 0
+        losses[precision] = json.loads((out / "verdict.json").read_text())["rows"]["full"]["losses"]
+        assert f"precision {precision}" in (out / "verdict.md").read_text()
+    assert losses["32-true"] != losses["bf16-mixed"]
+    assert losses["bf16-mixed"] == pytest.approx(losses["32-true"], rel=2e-2)
