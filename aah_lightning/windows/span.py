@@ -30,6 +30,8 @@ rank holds the same spans and table. The spans and their optimizer state travel 
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 from torch import Tensor, nn
 
@@ -100,7 +102,9 @@ class LearnedSpanPolicy(WindowPolicy):
         require(isinstance(s.lr, (int, float)) and s.lr > 0, "model.aah.span.lr", s.lr, "a positive learning rate")
         require(cfg.sink == 0, "model.aah.sink", cfg.sink, "0 with policy learned_span (its ramp has no sink)")
         heads = n_layer * n_head
-        most = int((s.target_acr * heads * seq_len - heads * s.width) // (seq_len - s.width))
+        # Exact arithmetic on the float's own value: at a budget that pays for exactly k whole heads, rounding
+        # must neither refuse k nor admit k + 1.
+        most = max(0, int((Fraction(s.target_acr) * heads * seq_len - heads * s.width) // (seq_len - s.width)))
         require(
             isinstance(s.full_heads, int) and 0 <= s.full_heads <= min(most, heads - 1),
             "model.aah.span.full_heads",

@@ -2,6 +2,9 @@
 budget's projection, a span that grows where a copy needs it and shrinks where nothing does, hard windows after
 ``freeze_at``, and a Lightning run resumed across the freeze."""
 
+import math
+from fractions import Fraction
+
 import lightning as L
 import pytest
 import torch
@@ -227,6 +230,12 @@ def test_learned_span_settings_are_checked():
         check(target_acr=1.0, full_heads=2)
     with pytest.raises(ConfigError, match="model.aah.span.full_heads"):
         check(full_heads=-1)
+    # One whole head and one ramp of 17 cost 65/96 of the context, to the token; the float just below it (where
+    # float arithmetic rounds up to 1) cannot pay for the whole head, the float just above it can.
+    exact = float(Fraction(48 + 17, 2 * 48))
+    check(target_acr=math.nextafter(exact, 1.0), width=17, full_heads=1)
+    with pytest.raises(ConfigError, match=r"model.aah.span.full_heads.*\[0, 0\]"):
+        check(target_acr=math.nextafter(exact, 0.0), width=17, full_heads=1)
     with pytest.raises(ConfigError, match="model.aah.sink"):
         make_policy(AAHConfig(policy="learned_span", sink=2, span=SpanConfig(0.5, 8, 10)), 1, 2, T)
 
@@ -244,11 +253,14 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def fit(ckpt_path=None, stop_at=None):
+def fit(ckpt_path=None, stop_at=None, full_heads=0):
     L.seed_everything(0)
+    # with a full head: the whole context for one head, 24 tokens (a span of 8 and the ramp) for the other
+    target = (T + 24) / (2 * T) if full_heads else 28 / T
+    span = SpanConfig(target_acr=target, width=16, freeze_at=4, full_heads=full_heads)
     module = AAHModule(
         gpt=GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=T, vocab_size=VOCAB),
-        aah=AAHConfig(policy="learned_span", span=SpanConfig(target_acr=28 / T, width=16, freeze_at=4)),
+        aah=AAHConfig(policy="learned_span", span=span),
         optim=OptimConfig(lr=1e-2, warmup_steps=1),
     )
     trainer = quiet_trainer(STEPS, [StopAt(stop_at)])
@@ -257,15 +269,20 @@ def fit(ckpt_path=None, stop_at=None):
     return trainer, module
 
 
-@pytest.mark.parametrize("stop_at", [2, 6])
-def test_a_learned_span_run_resumed_before_or_after_the_freeze_ends_as_the_uninterrupted_run(tmp_path, stop_at):
-    _, straight = fit()
+@pytest.mark.parametrize("stop_at,full_heads", [(2, 0), (6, 0), (2, 1), (6, 1)])
+def test_a_learned_span_run_resumed_before_or_after_the_freeze_ends_as_the_uninterrupted_run(
+    tmp_path, stop_at, full_heads
+):
+    _, straight = fit(full_heads=full_heads)
     assert straight.spans.fraction.requires_grad
     assert any(id(p) == id(straight.spans.fraction) for g in straight.parameter_groups() for p in g["params"])
-    trainer, _ = fit(stop_at=stop_at)
+    if full_heads:  # the widened table holds after the freeze: one whole head, the other its 24 (ceil may add one)
+        other, whole = sorted(straight.model.windows.flatten().tolist())
+        assert whole == T and other in (24, 25)
+    trainer, _ = fit(stop_at=stop_at, full_heads=full_heads)
     trainer.save_checkpoint(tmp_path / "stop.ckpt")
     assert "spans.fraction" in torch.load(tmp_path / "stop.ckpt", weights_only=True)["state_dict"]
-    _, resumed = fit(ckpt_path=str(tmp_path / "stop.ckpt"))
+    _, resumed = fit(ckpt_path=str(tmp_path / "stop.ckpt"), full_heads=full_heads)
     assert torch.equal(resumed.spans.fraction, straight.spans.fraction)
     assert torch.equal(resumed.model.windows, straight.model.windows)
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
