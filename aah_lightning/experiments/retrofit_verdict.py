@@ -210,3 +210,52 @@ def report(rows: dict, buckets, baselines=("full", "streaming", "fixed"), tested
             + f" | {key} | {loss} |"
         )
     return "\n".join(lines) + "\n"
+
+
+@torch.no_grad()
+def answer_logprob(model, trials) -> float:
+    """Mean over ``trials`` of the log-probability the model gives the key's digits (teacher forcing): a graded
+    passkey score, where ``passkey_correct`` only says all or nothing."""
+    total = 0.0
+    for tokens, _, _ in trials:
+        ids = torch.tensor([tokens])
+        logp = F.log_softmax(model(ids)[0, -DIGITS - 1 : -1].float(), dim=-1)
+        total += float(logp.gather(1, ids[0, -DIGITS:, None]).sum())
+    return total / len(trials)
+
+
+def passkey_head_scan(model, trials, narrow: int, sink: int, progress=None) -> dict:
+    """Which key/value heads the passkey depends on, one head at a time, both ways:
+
+    * ``gain[l, g]``: the digits' log-probability with every head at ``narrow`` (and the sink) but key/value head
+      ``g`` of layer ``l`` at the whole context, minus that with every head at ``narrow``;
+    * ``loss[l, g]``: the log-probability with every head whole, minus that with key/value head ``g`` of layer
+      ``l`` alone at ``narrow``.
+
+    ``2 * L * n_kv + 2`` passes over ``trials``. Returns ``base`` (all narrow), ``full``, ``gain`` and ``loss``
+    (``[L, n_kv]`` lists)."""
+    L, H = model.cfg.n_layer, model.cfg.n_head
+    n_kv = model.cfg.n_kv_head or H
+    size = H // n_kv
+    T = model.cfg.seq_len
+    narrow_all = torch.full((L, H), narrow, dtype=torch.int32)
+    whole_all = torch.full((L, H), T, dtype=torch.int32)
+    model.sink = sink
+
+    def score(table):
+        model.set_windows(table)
+        return answer_logprob(model, trials)
+
+    base, full = score(narrow_all), score(whole_all)
+    gain = torch.zeros(L, n_kv, dtype=torch.float64)
+    loss = torch.zeros(L, n_kv, dtype=torch.float64)
+    for layer in range(L):
+        for g in range(n_kv):
+            heads = slice(g * size, (g + 1) * size)
+            widened, narrowed = narrow_all.clone(), whole_all.clone()
+            widened[layer, heads], narrowed[layer, heads] = T, narrow
+            gain[layer, g] = score(widened) - base
+            loss[layer, g] = full - score(narrowed)
+        if progress is not None:
+            progress(layer)
+    return {"base": base, "full": full, "gain": gain.tolist(), "loss": loss.tolist()}
