@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
     p.add_argument("--text", nargs="+", required=True, help="held-out text files (globs allowed)")
+    p.add_argument(
+        "--seq-len", type=int, default=2048, help="the context: a whole head's window and each probe's length"
+    )
     p.add_argument("--narrow", type=int, default=384, help="every other head's window (tokens, the sink aside)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--trials", type=int, default=4)
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     if tok is None:
         raise SystemExit(f"{args.checkpoint} has no text tokenizer: the passkey needs real text")
     model.eval()
-    T = model.cfg.seq_len
+    T = args.seq_len
     lo, hi = (int(x) for x in args.distances.split("-"))
     if not 0 < args.narrow < T or not 0 < lo < hi < T:
         raise SystemExit(
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
         chosen = {(int(l), int(g)) for l, g in (groups >= T).nonzero().tolist()}
     t0 = time.time()
     scan = rv.passkey_head_scan(
-        model, trials, args.narrow, args.sink, lambda l: print(f"layer {l}: {time.time() - t0:.0f} s", flush=True)
+        model, trials, args.narrow, args.sink, T, lambda l: print(f"layer {l}: {time.time() - t0:.0f} s", flush=True)
     )
     scan["retrieval_chosen"] = sorted(chosen)
     scan["command"] = command

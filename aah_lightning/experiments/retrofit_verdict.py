@@ -224,7 +224,7 @@ def answer_logprob(model, trials) -> float:
     return total / len(trials)
 
 
-def passkey_head_scan(model, trials, narrow: int, sink: int, progress=None) -> dict:
+def passkey_head_scan(model, trials, narrow: int, sink: int, seq_len: int, progress=None) -> dict:
     """Which key/value heads the passkey depends on, one head at a time, both ways:
 
     * ``gain[l, g]``: the digits' log-probability with every head at ``narrow`` (and the sink) but key/value head
@@ -232,12 +232,13 @@ def passkey_head_scan(model, trials, narrow: int, sink: int, progress=None) -> d
     * ``loss[l, g]``: the log-probability with every head whole, minus that with key/value head ``g`` of layer
       ``l`` alone at ``narrow``.
 
-    ``2 * L * n_kv + 2`` passes over ``trials``. Returns ``base`` (all narrow), ``full``, ``gain`` and ``loss``
+    A whole head's window is ``seq_len`` (at least every trial's length). ``2 * L * n_kv + 2`` passes over
+    ``trials``. Returns ``base`` (all narrow), ``full``, ``gain`` and ``loss``
     (``[L, n_kv]`` lists)."""
     L, H = model.cfg.n_layer, model.cfg.n_head
     n_kv = model.cfg.n_kv_head or H
     size = H // n_kv
-    T = model.cfg.seq_len
+    T = seq_len
     narrow_all = torch.full((L, H), narrow, dtype=torch.int32)
     whole_all = torch.full((L, H), T, dtype=torch.int32)
     model.sink = sink

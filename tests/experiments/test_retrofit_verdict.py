@@ -178,7 +178,7 @@ def test_the_passkey_head_scan_widens_and_narrows_one_key_value_head_at_a_time()
     model = GPT(GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, seq_len=32)).eval()
     rng = random.Random(0)
     trials = [([rng.randrange(32) for _ in range(30)], 0, 20) for _ in range(3)]
-    scan = rv.passkey_head_scan(model, trials, narrow=4, sink=1)
+    scan = rv.passkey_head_scan(model, trials, narrow=4, sink=1, seq_len=32)
     assert len(scan["gain"]) == 2 and len(scan["gain"][0]) == 2 and len(scan["loss"][1]) == 2
     table = torch.full((2, 4), 4, dtype=torch.int32)
     table[1, 2:] = 32  # layer 1, key/value head 1: its two query heads whole
@@ -189,7 +189,9 @@ def test_the_passkey_head_scan_widens_and_narrows_one_key_value_head_at_a_time()
     model.set_windows(table)
     assert scan["loss"][0][0] == pytest.approx(scan["full"] - rv.answer_logprob(model, trials), abs=1e-9)
     assert any(abs(v) > 1e-4 for row in scan["gain"] + scan["loss"] for v in row)
-    same = rv.passkey_head_scan(model, trials, narrow=31, sink=1)  # 31 of 30 tokens: every window holds it all
+    same = rv.passkey_head_scan(
+        model, trials, narrow=31, sink=1, seq_len=32
+    )  # 31 of 30 tokens: every window holds it all
     assert same["base"] == pytest.approx(same["full"], abs=1e-6)
     assert all(abs(v) < 1e-6 for row in same["gain"] + same["loss"] for v in row)
 
@@ -202,25 +204,13 @@ def test_the_passkey_heads_tool_runs_on_an_imported_model(tmp_path, capsys):
 
     assert import_main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
     (tmp_path / "text.txt").write_text(" ".join(random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)))
-    argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--narrow", "12", "--sink", "2"]
-    argv += [
-        "--trials",
-        "2",
-        "--distances",
-        "20-40",
-        "--acr",
-        "0.5",
-        "--probes",
-        "2",
-        "--copy-span",
-        "8",
-        "--out",
-        str(tmp_path / "o"),
-    ]
+    argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--sink", "2"]
+    argv += ["--narrow", "12", "--trials", "2", "--distances", "20-40", "--acr", "0.5", "--probes", "2"]
+    argv += ["--copy-span", "8", "--out", str(tmp_path / "o")]
     assert run_tool("passkey_heads", *argv) == 0
     scan = json.loads((tmp_path / "o" / "heads.json").read_text())
     model_layers = len(scan["gain"])
     assert model_layers == len(scan["loss"]) and scan["retrieval_chosen"]  # ACR 0.5 buys at least one whole head
     assert "| layer, kv head |" in (tmp_path / "o" / "heads.md").read_text()
-    assert run_tool("passkey_heads", *argv[:3], "--narrow", "64", "--out", str(tmp_path / "x")) == 1
+    assert run_tool("passkey_heads", *argv[:5], "--narrow", "64", "--out", str(tmp_path / "x")) == 1
     assert "--narrow must be in" in capsys.readouterr().err
