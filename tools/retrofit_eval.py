@@ -12,7 +12,9 @@ and the passkey suite (``--per-bucket`` trials per distance bucket, the same pro
 one block of T tokens a step) under its own table, each from the imported weights, on ``--finetune-text`` (default:
 the Python standard library's sources, the embedded corpus, which shares nothing with the held-out text). The comparisons
 and their exact tests are in ``aah_lightning/experiments/retrofit_verdict.py``. Writes ``verdict.md`` and
-``verdict.json`` under ``--out`` and prints the table and the command.
+``verdict.json`` under ``--out`` and prints the table and the command. Each row is saved under ``--out`` as it ends
+(``rows.partial.json``): the same command again goes on from the first row not measured, and refuses, naming them,
+settings other than those the saved rows were measured with (``--threads`` aside).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from aah_lightning.checkpoint import load_model
 from aah_lightning.data import corpora
 from aah_lightning.experiments import retrofit_verdict as rv
 from aah_lightning.windows import metrics
+
+PARTIAL = "rows.partial.json"  # the rows measured so far, saved after each
 
 
 def main(argv=None) -> int:
@@ -68,6 +72,18 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python tools/retrofit_eval.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # Every measured row is saved as it ends; the same command again goes on from there (a stopped run keeps its rows).
+    settings = {k: v for k, v in vars(args).items() if k not in ("threads", "out")}
+    partial = os.path.join(args.out, PARTIAL)
+    saved = json.load(open(partial)) if os.path.exists(partial) else None
+    if saved is not None and saved["settings"] != settings:
+        changed = sorted(
+            k for k in settings.keys() | saved["settings"].keys() if settings.get(k) != saved["settings"].get(k)
+        )
+        raise SystemExit(
+            f"{args.out} holds a verdict begun with other settings ({', '.join(changed)}): run it with those to go on, "
+            "or give another --out"
+        )
     model, tok = load_model(args.checkpoint)
     if tok is None:
         raise SystemExit(f"{args.checkpoint} has no text tokenizer: the verdict needs real text")
@@ -123,6 +139,15 @@ def main(argv=None) -> int:
         tables[f"random_{i}"] = (t, args.sink)
     imported = {k: v.clone() for k, v in model.state_dict().items()} if tune_blocks is not None else None
     rows = {}
+    if saved is not None:
+        if saved["need"] != need.tolist():
+            raise SystemExit(f"{args.out}: the decision differs from the one its saved rows were measured under")
+        rows = saved["rows"]
+        print(f"going on from {partial}: {len(rows)} rows measured before", flush=True)
+
+    def save():
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write_text(partial, json.dumps({"settings": settings, "need": need.tolist(), "rows": rows}))
 
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
@@ -143,14 +168,19 @@ def main(argv=None) -> int:
             **extra,
         }
         rows[name]["wall_s"] = time.time() - t
+        save()
         print(f"{name}: {rows[name]['wall_s']:.0f} s", flush=True)
 
     for name, (table, sink) in tables.items():
+        if name in rows:
+            continue
         model.set_windows(table)
         model.sink = sink
         measure(name, table, sink, {})
     if tune_blocks is not None:
         for name, (table, sink) in tables.items():
+            if name + rv.FT in rows:
+                continue
             model.load_state_dict(imported)  # every fine-tune starts from the imported weights
             model.set_windows(table)
             model.sink = sink
@@ -158,6 +188,8 @@ def main(argv=None) -> int:
             with autocast():
                 losses = rv.fine_tune(model, tune_blocks, args.finetune_steps, args.finetune_lr)
             measure(name + rv.FT, table, sink, {"finetune_losses": losses, "finetune_s": time.time() - t})
+    order = list(tables) + ([n + rv.FT for n in tables] if tune_blocks is not None else [])
+    rows = {n: rows[n] for n in order}  # the tables' order, however a resumed run filled them in
     md = rv.report(rows, buckets)
     where = [
         f"(layer {i // n_kv}, kv {i % n_kv})" for i, g in enumerate(need.view(L, n_kv, -1)[..., 0].flatten()) if g >= T

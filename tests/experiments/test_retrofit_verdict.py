@@ -101,6 +101,25 @@ def test_the_tool_runs_on_an_imported_model(tmp_path, capsys):
     assert "| need | streaming |" in md and "| need | random_1 |" in md and "| need+ft | streaming+ft |" in md
     assert "fine-tune: 3 steps" in md
     assert "python tools/retrofit_eval.py" in capsys.readouterr().out
+    # A stopped run goes on: rows lost from the saved file are measured again, as they were; the others are kept.
+    partial = out / "rows.partial.json"
+    saved = json.loads(partial.read_text())
+    assert list(saved["rows"]) == list(rows)
+    for name in ("random_1", "need+ft", "random_1+ft"):
+        del saved["rows"][name]
+    partial.write_text(json.dumps(saved))
+    assert run_tool("retrofit_eval", *argv) == 0
+    assert "going on from" in capsys.readouterr().out
+    again = json.loads((out / "verdict.json").read_text())["rows"]
+    assert list(again) == list(rows)
+    for name in rows:
+        assert again[name]["correct"] == rows[name]["correct"], name
+        assert again[name]["losses"] == pytest.approx(rows[name]["losses"], rel=1e-6), name
+    assert again["need"]["wall_s"] == rows["need"]["wall_s"]  # kept, not measured again
+    assert again["need+ft"]["wall_s"] != rows["need+ft"]["wall_s"]  # measured again
+    before = partial.read_text()
+    assert run_tool("retrofit_eval", *argv, "--per-bucket", "4") == 1
+    assert "other settings (per_bucket)" in capsys.readouterr().err and partial.read_text() == before
 
 
 def test_a_fine_tune_lowers_the_loss_it_trains_on_under_the_rows_table():
