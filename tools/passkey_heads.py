@@ -45,6 +45,12 @@ def main(argv=None) -> int:
     p.add_argument("--copy-span", type=int, default=32, help="tokens of each copy probe")
     p.add_argument("--seed", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument(
+        "--precision",
+        choices=["32-true", "bf16-mixed"],
+        default="32-true",
+        help="bf16-mixed: the scan's forwards under bfloat16 autocast (the decision stays float32)",
+    )
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -74,9 +80,15 @@ def main(argv=None) -> int:
         groups = need.view(model.cfg.n_layer, n_kv, -1)[..., 0]
         chosen = {(int(l), int(g)) for l, g in (groups >= T).nonzero().tolist()}
     t0 = time.time()
-    scan = rv.passkey_head_scan(
-        model, trials, args.narrow, args.sink, T, lambda l: print(f"layer {l}: {time.time() - t0:.0f} s", flush=True)
-    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+        scan = rv.passkey_head_scan(
+            model,
+            trials,
+            args.narrow,
+            args.sink,
+            T,
+            lambda l: print(f"layer {l}: {time.time() - t0:.0f} s", flush=True),
+        )
     scan["retrieval_chosen"] = sorted(chosen)
     scan["command"] = command
     gain = {(l, g): v for l, row in enumerate(scan["gain"]) for g, v in enumerate(row)}
@@ -85,7 +97,7 @@ def main(argv=None) -> int:
     lines = [
         f"`{command}`",
         "",
-        f"{len(trials)} passkeys {lo}-{hi} tokens back; log-probability of the key's five digits: every head at "
+        f"{len(trials)} passkeys {lo}-{hi} tokens back, precision {args.precision}; log-probability of the key's five digits: every head at "
         f"{args.narrow} + sink {args.sink}: {scan['base']:.2f}, every head whole: {scan['full']:.2f}."
         + (f" Marked *: the retrieval signal's whole heads at ACR {args.acr} ({len(chosen)})." if chosen else ""),
         "",

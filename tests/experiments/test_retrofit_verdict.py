@@ -231,5 +231,9 @@ def test_the_passkey_heads_tool_runs_on_an_imported_model(tmp_path, capsys):
     model_layers = len(scan["gain"])
     assert model_layers == len(scan["loss"]) and scan["retrieval_chosen"]  # ACR 0.5 buys at least one whole head
     assert "| layer, kv head |" in (tmp_path / "o" / "heads.md").read_text()
+    assert run_tool("passkey_heads", *argv[:-1], str(tmp_path / "b"), "--precision", "bf16-mixed") == 0
+    tilted = json.loads((tmp_path / "b" / "heads.json").read_text())
+    assert "precision bf16-mixed" in (tmp_path / "b" / "heads.md").read_text()
+    assert tilted["full"] != scan["full"] and tilted["full"] == pytest.approx(scan["full"], rel=0.05)
     assert run_tool("passkey_heads", *argv[:5], "--narrow", "64", "--out", str(tmp_path / "x")) == 1
     assert "--narrow must be in" in capsys.readouterr().err
