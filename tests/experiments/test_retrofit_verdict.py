@@ -61,17 +61,21 @@ def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_trials():
     assert rv.mcnemar([True, False], [True, False]) == 1.0
 
 
-def test_the_tool_runs_on_an_imported_model(tmp_path, capsys):
-    """A tiny Llama through ``aah import``, then every row at ACR 0.25: the table, the files, each row at its budget
-    and the random rows with the need row's count of long key/value heads."""
+def imported_tiny(tmp_path):
+    """A tiny Mistral through ``aah import`` (``m.ckpt``, context 64) and 3,000 words of text (``text.txt``)."""
     folder = tmp_path / "hf"
     save_tiny("mistral", folder, max_position_embeddings=64)
     save_tokenizer(folder)
     from aah_lightning.export.importer import main as import_main
 
     assert import_main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
-    words = random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)
-    (tmp_path / "text.txt").write_text(" ".join(words))
+    (tmp_path / "text.txt").write_text(" ".join(random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)))
+
+
+def test_the_tool_runs_on_an_imported_model(tmp_path, capsys):
+    """A tiny Llama through ``aah import``, then every row at ACR 0.25: the table, the files, each row at its budget
+    and the random rows with the need row's count of long key/value heads."""
+    imported_tiny(tmp_path)
     out = tmp_path / "verdict"
     argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--blocks", "2"]
     argv += ["--buckets", "20-30,30-40", "--per-bucket", "3", "--short", "12", "--random-draws", "2"]
@@ -166,13 +170,7 @@ def test_fine_tuned_rows_are_compared_with_fine_tuned_rows():
 def test_bf16_mixed_measures_under_autocast_and_says_so(tmp_path):
     """``--precision bf16-mixed`` runs every row's forwards under bfloat16 autocast: the losses move off the float32
     ones by bfloat16's rounding, not more, and the report's header states the precision."""
-    folder = tmp_path / "hf"
-    save_tiny("mistral", folder, max_position_embeddings=64)
-    save_tokenizer(folder)
-    from aah_lightning.export.importer import main as import_main
-
-    assert import_main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
-    (tmp_path / "text.txt").write_text(" ".join(random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)))
+    imported_tiny(tmp_path)
     argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--blocks", "2"]
     argv += ["--buckets", "20-30", "--per-bucket", "2", "--short", "12", "--random-draws", "1"]
     argv += ["--probes", "2", "--copy-span", "8", "--sink", "2"]
@@ -216,13 +214,7 @@ def test_the_passkey_head_scan_widens_and_narrows_one_key_value_head_at_a_time()
 
 
 def test_the_passkey_heads_tool_runs_on_an_imported_model(tmp_path, capsys):
-    folder = tmp_path / "hf"
-    save_tiny("mistral", folder, max_position_embeddings=64)
-    save_tokenizer(folder)
-    from aah_lightning.export.importer import main as import_main
-
-    assert import_main([str(folder), "--out", str(tmp_path / "m.ckpt")]) == 0
-    (tmp_path / "text.txt").write_text(" ".join(random.Random(0).choices([f"w{i}" for i in range(62)], k=3000)))
+    imported_tiny(tmp_path)
     argv = [str(tmp_path / "m.ckpt"), "--text", str(tmp_path / "text.txt"), "--seq-len", "64", "--sink", "2"]
     argv += ["--narrow", "12", "--trials", "2", "--distances", "20-40", "--acr", "0.5", "--probes", "2"]
     argv += ["--copy-span", "8", "--out", str(tmp_path / "o")]
