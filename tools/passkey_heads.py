@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument(
         "--precision",
-        choices=["32-true", "bf16-mixed"],
+        choices=rv.PRECISIONS,
         default="32-true",
         help="bf16-mixed: the scan's forwards under bfloat16 autocast (the decision stays float32)",
     )
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         groups = need.view(model.cfg.n_layer, n_kv, -1)[..., 0]
         chosen = {(int(l), int(g)) for l, g in (groups >= T).nonzero().tolist()}
     t0 = time.time()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+    with rv.autocast(args.precision):
         scan = rv.passkey_head_scan(
             model,
             trials,

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--finetune-text", nargs="+", help="fine-tuning text files (globs); default the standard library")
     p.add_argument(
         "--precision",
-        choices=["32-true", "bf16-mixed"],
+        choices=rv.PRECISIONS,
         default="32-true",
         help="bf16-mixed: every forward and fine-tune under bfloat16 autocast (weights and optimizer in float32; on a "
         "CPU with AMX about twice as fast); the decision always runs in float32",
@@ -149,13 +149,10 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         atomic_write_text(partial, json.dumps({"settings": settings, "need": need.tolist(), "rows": rows}))
 
-    def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
-
     def measure(name, table, sink, extra):
         t = time.time()
         groups = table.view(L, n_kv, H // n_kv)[..., 0]
-        with autocast():
+        with rv.autocast(args.precision):
             losses, correct = rv.block_losses(model, blocks), rv.passkey_correct(model, trials)
         rows[name] = {
             "table": table.tolist(),
@@ -185,7 +182,7 @@ def main(argv=None) -> int:
             model.set_windows(table)
             model.sink = sink
             t = time.time()
-            with autocast():
+            with rv.autocast(args.precision):
                 losses = rv.fine_tune(model, tune_blocks, args.finetune_steps, args.finetune_lr)
             measure(name + rv.FT, table, sink, {"finetune_losses": losses, "finetune_s": time.time() - t})
     order = list(tables) + ([n + rv.FT for n in tables] if tune_blocks is not None else [])

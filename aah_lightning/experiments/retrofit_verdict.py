@@ -123,6 +123,13 @@ def block_losses(model, blocks: torch.Tensor) -> list[float]:
 
 
 FT = "+ft"  # the suffix of a fine-tuned row
+PRECISIONS = ("32-true", "bf16-mixed")  # Lightning's names for the tools' two numerics
+
+
+def autocast(precision: str):
+    """The CPU numerics of ``precision``: bfloat16 autocast for ``bf16-mixed`` (weights and optimizer stay float32),
+    nothing for ``32-true``."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
 
 def fine_tune(model, blocks: torch.Tensor, steps: int, lr: float, seed: int = 0) -> list[float]:
