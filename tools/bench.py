@@ -15,6 +15,9 @@ Sections:
   (e) compiled graphs added after warm-up while window values change (compiled flex).
   (f) one attention layer with its projections, heads in groups by window (``split``): the plan gathering and
       scattering q, k, v and outputs, against the layer reordering its weights instead (``head_groups``).
+  (g) the learned span's ramped attention forward+backward (spans included) while it learns: the banded ramp (what
+      runs) against the dense ramp (a ``[H, T, T]`` bias; how it ran before), the hard windows without a ramp, and
+      full-causal SDPA, with the spans at the paper's window mix.
 
 Times are wall-clock medians over ``--repeats`` runs after warm-up, with the [min, max] spread. The machine may be
 shared: compare numbers from one run, and rerun on a quiet machine before recording.
@@ -397,6 +400,57 @@ def heads_in_groups(args, device, dtype) -> str:
     )
 
 
+# -- (g) the learned span's ramp ---------------------------------------------------------------------------------------
+def span_ramp_cost(args, device, dtype) -> str:
+    from aah_lightning.model.attention.soft_span import soft_span_attention, span_ramp
+
+    H, D, B = args.heads, 64, args.batch
+    dtype = torch.promote_types(dtype, torch.float32)  # the ramp runs in fp32 at least
+    rows = []
+    for T in args.seq_lens:
+        R = T // 32
+        hard = window_mix(T, H)
+        span = (hard.double() - R - 0.5).clamp(min=0).to(device, dtype).requires_grad_()  # ceil(z + R) = the mix
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+        hard_plan = banded.build_plan(hard.tolist(), T, device=device)
+        d = torch.arange(T, device=device, dtype=dtype)
+        d = d.view(T, 1) - d.view(1, T)
+
+        def dense_ramp():  # the former dense computation: every pair scored, the ramp's log as a [H, T, T] bias
+            m = span_ramp(d, span.view(H, 1, 1), R)
+            bias = torch.where((d >= 0) & (m > 0), torch.log(m.clamp_min(torch.finfo(dtype).tiny)), float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+        variants = {
+            "banded ramp (runs)": lambda: soft_span_attention(q, k, v, span, R, None, hard.tolist()),
+            "dense ramp": dense_ramp,
+            "hard windows, banded": lambda: banded.banded_attention(q, k, v, hard_plan),
+            "sdpa causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }
+
+        def fwd_bwd(fn):
+            def run():
+                fn().sum().backward()
+                for x in (q, k, v, span):
+                    x.grad = None
+
+            return run
+
+        results = timeit({name: fwd_bwd(fn) for name, fn in variants.items()}, device, args.repeats)
+        dense, causal = med(results["dense ramp"]), med(results["sdpa causal"])
+        for name, times in results.items():
+            rows.append([T, name, fmt(times), f"{med(times) / dense:.3f}", f"{med(times) / causal:.3f}"])
+        ramp = med(results["banded ramp (runs)"])
+        check(f"(g) banded ramp < dense ramp, T={T}", ramp / dense, 1.0, f"{ramp / dense:.3f} x")
+    return md_table(
+        f"(g) the learned span's ramped attention forward+backward, {H} heads of {D}, batch {B}, ramp width T/32, "
+        "hard windows at the paper's mix",
+        ["T", "attention", "ms median [min, max]", "/ dense ramp", "/ sdpa causal"],
+        rows,
+    )
+
+
 # -- (e) recompiles --------------------------------------------------------------------------------------------------
 def recompiles(args, device, dtype) -> str:
     from torch._dynamo.utils import counters
@@ -464,7 +518,7 @@ def main(argv=None) -> None:
         choices=["wall", "cpu"],
         help="wall (default) or process CPU time: with --threads 1 on a busy machine, cpu is the steadier",
     )
-    p.add_argument("--sections", default="abcdef", help="which sections to run, e.g. 'ad'")
+    p.add_argument("--sections", default="abcdefg", help="which sections to run, e.g. 'ad'")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--heads", type=int, default=20, help="(a): 20 heads give the paper's mix 13/2/2/3")
     p.add_argument("--batch", type=int, default=None, help="(a) batch; default 1 on CPU, 8 on CUDA")
@@ -500,6 +554,8 @@ def main(argv=None) -> None:
         emit(recompiles(args, device, dtype))
     if "f" in args.sections:
         emit(heads_in_groups(args, device, dtype))
+    if "g" in args.sections:
+        emit(span_ramp_cost(args, device, dtype))
     if SUMMARY:
         emit(md_table("targets", ["target", "measured", "verdict"], SUMMARY))
     emit(f"command: `{command}`")

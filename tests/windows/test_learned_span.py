@@ -21,13 +21,16 @@ from aah_lightning.windows.span import project_to_budget
 from helpers.step_data import StepData, quiet_trainer
 
 
-def reference(q, k, v, span, width):
-    """float64, as adaptive span defines it: the causal softmax, times the ramp, renormalised."""
+def reference(q, k, v, span, width, docs=None):
+    """float64, as adaptive span defines it: the causal softmax, times the ramp, renormalised (``docs``: each query
+    within its document)."""
     B, H, T, D = q.shape
     rep = H // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-1, -2) / D**0.5
     causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if docs is not None:
+        causal = causal & (docs[:, None, :, None] == docs[:, None, None, :])
     a = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
     d = (torch.arange(T).view(T, 1) - torch.arange(T).view(1, T)).double()
     m = ((span.view(H, 1, 1) + width - d) / width).clamp(0, 1) * causal
@@ -54,6 +57,55 @@ def test_soft_span_attention_matches_the_float64_reference_forward_and_backward(
     assert bool((grads[3][:3] != 0).all())  # every span inside the sequence gets gradient
     assert grads[3][3] == 0  # a span past the sequence: every key at full weight, no gradient
     assert torch.autograd.gradcheck(lambda s: soft_span_attention(q, k, v, s, R, None), (span,))
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_banded_ramp_over_many_chunks_and_documents_matches_the_float64_reference(with_docs):
+    # T = 150: hard windows from 3 to the whole sequence, bodies of several chunks (the last one padded), two heads
+    # sharing a window (one group, two ramps), grouped-query attention, and documents (the longest 90 tokens) that
+    # cut the bands
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D, R = 2, 6, 150, 8, 3
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, 2, T, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    span = torch.tensor([0.4, 40.2, 40.6, 7.5, 70.3, 160.0], dtype=torch.float64, requires_grad=True)
+    docs = None
+    if with_docs:
+        docs = torch.zeros(B, T, dtype=torch.long)
+        docs[0, 37:], docs[0, 120:], docs[1, 90:] = 1, 2, 1
+    out, ref = soft_span_attention(q, k, v, span, R, docs), reference(q, k, v, span, R, docs)
+    assert torch.allclose(out, ref, atol=1e-12)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v, span))
+    expected = torch.autograd.grad((ref * w).sum(), (q, k, v, span))
+    for a, b in zip(grads, expected):
+        assert torch.allclose(a, b, atol=1e-10)
+    assert bool((grads[3][:5] != 0).all())
+
+
+def test_the_ramp_scores_only_the_keys_of_its_hard_windows(monkeypatch):
+    # Count the (query, key) scores every attention call computes: the ramp's must be the banded backend's pairs of
+    # the hard windows ceil(z + R), far fewer than the T^2 per head the dense ramp scored.
+    from aah_lightning.model.attention import banded
+    from aah_lightning.model.attention.soft_span import SoftSpanPlan
+
+    scored = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting(q, k, v, *args, **kwargs):
+        scored.append(q.shape[:-1].numel() * k.shape[-2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(banded.F, "scaled_dot_product_attention", counting)
+    B, H, T, R = 1, 4, 512, 8
+    q, k, v = (torch.randn(B, H, T, 16) for _ in range(3))
+    span = torch.tensor([10.5, 20.0, 55.2, 120.0], requires_grad=True)
+    hard = (span.detach() + R).ceil().int().tolist()  # [19, 28, 64, 128]
+    plan = SoftSpanPlan(span, R, None, banded.build_plan(hard, T))
+    plan(q, k, v).sum().backward()
+    assert span.grad is not None and bool((span.grad != 0).all())
+    assert sum(scored) == B * plan.computed_pairs(128) == B * sum(banded.biased_band_pairs(w, T) for w in hard)
+    assert sum(scored) < 0.2 * H * T * T  # the dense ramp scored H T^2
 
 
 def test_a_span_past_the_sequence_is_full_attention_and_the_ramp_masks_past_span_plus_width():

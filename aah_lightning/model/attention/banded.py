@@ -115,6 +115,13 @@ def band_pairs(window: int, seq_len: int, sink: int = 0) -> int:
     return w * (w + 1) // 2 + n * c * (c + w + min(sink, seq_len))
 
 
+def biased_band_pairs(window: int, seq_len: int) -> int:
+    """(query, key) pairs a biased group computes for one head (``banded_attention`` with a ``bias``): its prefix is
+    scored as a full square (a float mask, no causal kernel), its body as ``band_pairs`` counts it."""
+    w = min(window, seq_len)
+    return band_pairs(window, seq_len) + w * (w - 1) // 2
+
+
 def _eval_mask(mask_mod, head: int, batch: int | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     """The mask_mod on absolute positions (``q_idx [..., nq, 1]``, ``kv_idx [..., 1, nkv]``); leading batch dim iff
     ``batch`` is given."""
@@ -266,16 +273,69 @@ def _group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None) -> Tens
     return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
 
 
-def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None) -> Tensor:
+def _biased_group(q: Tensor, k: Tensor, v: Tensor, g: HeadGroup, b: int | None, bias) -> Tensor:
+    """``_group`` with an additive score bias that depends on each head and on the distance (query minus key):
+    ``bias(distance)`` maps a float tensor of distances to ``[h, *distance.shape]`` (``-inf``: the key is masked). The
+    same parts as ``_group`` (prefix, chunked body), each an SDPA call with a float mask: the window's mask where it
+    is False, the bias where it is True. A separate function, so the unbiased path stays exactly as it is."""
+    if g.sink_index is not None:
+        raise ValueError("a biased banded group takes no sink columns")
+
+    def mask(m: Tensor | None) -> Tensor | None:
+        return m if m is None or b is None else m[b]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, distance: Tensor, allowed: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(allowed, bias(distance), float("-inf")))
+
+    B, h, T, D = q.shape
+    w, c = g.window, g.chunk
+    pos = torch.arange(T + w + c, device=q.device, dtype=torch.float64)
+    prefix_mask = mask(g.prefix_mask)
+    if w >= T:
+        d = pos[:T, None] - pos[None, :T]
+        return attend(q, k, v, d, d >= 0 if prefix_mask is None else prefix_mask)
+    q_prefix, q_body = q.split([w, T - w], dim=2)
+    d = pos[:w, None] - pos[None, :w]
+    prefix = attend(q_prefix, k[:, :, :w], v[:, :, :w], d, d >= 0 if prefix_mask is None else prefix_mask)
+    n = -(-(T - w) // c)
+    pad = n * c - (T - w)
+    if pad:
+        q_body, k, v = F.pad(q_body, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    # [B, h, n, C, D] queries against [B, h, n, C + W, D] overlapping key spans (as in _group); the bias is the same
+    # in every chunk (query i of a chunk and key j of its span lie W + i - j apart), the window mask per chunk with
+    # documents.
+    qc = q_body.reshape(B, h, n, c, D)
+    kc, vc = (  # each with its own last dim: a value may be wider than the keys
+        x.reshape(B * h, T + pad, -1).unfold(1, c + w, c).transpose(-1, -2).reshape(B, h, n, c + w, -1) for x in (k, v)
+    )
+    d = (w + pos[:c, None]) - pos[None, : c + w]
+    body_bias = bias(d).unsqueeze(1)  # [h, 1, C, C + W]
+    body = F.scaled_dot_product_attention(
+        qc, kc, vc, attn_mask=torch.where(mask(g.body_mask), body_bias, float("-inf"))
+    ).reshape(B, h, n * c, -1)
+    return torch.cat([prefix, body[:, :, : T - w] if pad else body], dim=2)
+
+
+def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None, bias=None) -> Tensor:
+    def run(qg: Tensor, kg: Tensor, vg: Tensor, g: HeadGroup) -> Tensor:
+        if bias is None:
+            return _group(qg, kg, vg, g, b)
+        heads = torch.arange(g.start, g.stop) if plan.order is None else plan.order[g.start : g.stop].cpu()
+        return _biased_group(qg, kg, vg, g, b, functools.partial(bias, heads))
+
     if len(plan.groups) == 1:
-        return _group(q, k, v, plan.groups[0], b)
+        return run(q, k, v, plan.groups[0])
     sizes = [g.stop - g.start for g in plan.groups]
     parts = zip(*(x.split(sizes, dim=1) for x in (q, k, v)))  # split, not slices: one backward copy per tensor
-    return torch.cat([_group(qg, kg, vg, g, b) for (qg, kg, vg), g in zip(parts, plan.groups)], dim=1)
+    return torch.cat([run(qg, kg, vg, g) for (qg, kg, vg), g in zip(parts, plan.groups)], dim=1)
 
 
-def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tensor:
-    """q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention."""
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, bias=None) -> Tensor:
+    """q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention.
+
+    ``bias``: None, or ``bias(heads, distance)`` -> ``[len(heads), *distance.shape]``, an additive score bias for the
+    layer's heads ``heads`` (a CPU index tensor) at float64 distances (query minus key), ``-inf`` to mask a key; the
+    learned span's ramp (``soft_span.py``) is one. The scores are biased only inside each head's window."""
     if q.shape[2] != plan.seq_len:
         raise ValueError(f"banded plan built for T={plan.seq_len}, called with T={q.shape[2]}")
     # Window groups cut across key/value groups: under grouped-query attention each query head gets its own copy of
@@ -284,11 +344,11 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan) -> Tenso
     if plan.order is not None:
         q = q.index_select(1, plan.order)
     if plan.batch is None:
-        y = _layer(q, k, v, plan, None)
+        y = _layer(q, k, v, plan, None, bias)
     else:  # document masks differ per sequence: one pass per batch element, its masks broadcast over heads
         if q.shape[0] != plan.batch:
             raise ValueError(f"banded plan built for batch {plan.batch}, called with {q.shape[0]}")
-        y = torch.cat([_layer(q[i : i + 1], k[i : i + 1], v[i : i + 1], plan, i) for i in range(plan.batch)])
+        y = torch.cat([_layer(q[i : i + 1], k[i : i + 1], v[i : i + 1], plan, i, bias) for i in range(plan.batch)])
     return y if plan.inverse is None else y.index_select(1, plan.inverse)
 
 
