@@ -11,7 +11,9 @@ Contract (``model.aah.span``):
   ``min(T, z + R) / T`` exceeds ``span.target_acr``, every span is lowered by the one amount that brings it back
   (clamped at 0), so a span grows only as others give up theirs. The table in force is the hard windows
   ``min(T, ceil(z + R))``, the keys a block-sparse kernel has to visit, and what the run's ACR ledger counts
-  (rounding up adds at most one token per head).
+  (rounding up adds at most one key per head while the spans learn: the ramp's last key carries its pull to grow).
+  The frozen table gives back what rounding adds past the budget in keys: the heads whose last key the ramp weighs
+  least lose it (``hard_windows``), so from ``freeze_at`` on the table never costs more than ``span.target_acr``.
 * **Hard windows.** At ``freeze_at`` the spans stop learning and the last hard windows hold, without the ramp, for
   the rest of the run: the spans become an ordinary window table, exported and served like any other.
 * **Full heads.** With ``span.full_heads = k`` the freeze first gives the ``k`` widest spans (ties: the first in
@@ -72,6 +74,27 @@ def project_to_budget(z: Tensor, width: int, seq_len: int, target_acr: float, he
     return lowered(hi)
 
 
+def hard_windows(z: Tensor, width: int, seq_len: int, budget_keys: int | None = None) -> Tensor:
+    """The hard windows of spans ``z`` (tokens, float): ``min(T, ceil(z + R))`` per head, the keys the ramp reaches,
+    with the keys that rounding up adds past ``budget_keys`` taken back (None: none). The spans keep
+    ``sum(z + R) <= budget`` (the projection), but each ``ceil`` may add up to one key; while the windows hold more
+    than ``budget_keys`` keys, the
+    head whose last key the ramp weighs least (the largest ``ceil(z + R) - (z + R)``; ties: the first in layer-major
+    order) loses that key. A head loses at most one key and never goes below ``floor(z + R)``, so the table costs at
+    most the budget whenever the spans do."""
+    reach = z + width
+    windows = reach.ceil().clamp(1, seq_len)
+    excess = 0 if budget_keys is None else int(windows.sum().item()) - budget_keys
+    if excess > 0:
+        over = (windows - reach).flatten()
+        order = torch.argsort(over, descending=True, stable=True)
+        drop = order[: min(excess, int((over > 0).sum()))]
+        flat = windows.flatten().clone()
+        flat[drop] -= 1
+        windows = flat.view_as(windows)
+    return windows.to(torch.int32)
+
+
 @register("learned_span")
 class LearnedSpanPolicy(WindowPolicy):
     """One learned soft span per head under ``span.target_acr``, hard windows from ``span.freeze_at`` (above)."""
@@ -118,6 +141,8 @@ class LearnedSpanPolicy(WindowPolicy):
         s = cfg.span
         self.width, self.target, self.freeze_at, self.lr = s.width, float(s.target_acr), s.freeze_at, float(s.lr)
         self.full_heads = s.full_heads
+        # the budget in keys over every head, from the float's own value (as validate counts it)
+        self.budget_keys = int(Fraction(s.target_acr) * n_layer * n_head * seq_len)
         even = max(0.0, self.target * seq_len - self.width)  # every head the same reach at the start
         self.spans = Spans(n_layer, n_head, even / seq_len)
         self.last_step: int | None = None
@@ -135,9 +160,11 @@ class LearnedSpanPolicy(WindowPolicy):
         return (self.frozen if self.frozen is not None else self.tokens().detach()).float().cpu()
 
     def hard_table(self) -> Tensor:
-        """``min(T, ceil(z + R))`` per head: the keys the ramp reaches, what the run pays."""
-        z = self.held()
-        return (z + self.width).ceil().clamp(1, self.seq_len).to(torch.int32)
+        """The hard windows of the spans in force (``hard_windows``), what the run pays: while the spans learn, the
+        ramp's whole reach (its last key, however lightly weighed, carries as much of the span's gradient as any
+        other: the pull to grow); once frozen, within the budget in keys."""
+        budget = None if self.frozen is None else self.budget_keys
+        return hard_windows(self.held(), self.width, self.seq_len, budget)
 
     @torch.no_grad()
     def project(self) -> None:
