@@ -49,6 +49,7 @@ from aah_lightning.experiments.records import (
     row_policy,
     run_dir,
     summarise,
+    task_circuit,
     window_summary,
 )
 
@@ -254,7 +255,8 @@ def main(argv=None) -> None:
         curves.update({(r["row"], r["seed"]): [] for r in more})
         print(f"merged from {folder}: {len(more)} runs", flush=True)
     records.sort(key=lambda r: (rows.index(r["row"]), r["seed"]))  # the outputs list row by row
-    print(write_outputs(args.out, records, rows, curves, heads))
+    circuit = task_circuit(os.path.join(args.rows, "base.yaml"))
+    print(write_outputs(args.out, records, rows, curves, heads, circuit))
     print(
         f"suite wall time: {time.time() - started:.0f} s (this invocation); "
         f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s"

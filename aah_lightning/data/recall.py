@@ -177,18 +177,33 @@ def _placements(windows: list[int]):
             yield [w, *tail]
 
 
-def relay_placement_chance(table: list[list[int]], gap: int, reach: int) -> tuple[float, int]:
+def placement_chance(table: list[list[int]], possible) -> tuple[float, int]:
     """The chance that ``table``'s windows, placed on heads drawn at random over the whole model (every distinct
-    placement equally likely, as a uniform permutation of the heads gives), leave room for the relay circuit
-    (``relay_circuit_possible``); counted exactly over every distinct placement. Returns (chance, placements)."""
+    placement equally likely, as a uniform permutation of the heads gives), make ``possible(rows)`` true; counted
+    exactly over every distinct placement. Returns (chance, placements)."""
     n_head = len(table[0])
     windows = [w for row in table for w in row]
     hits = total = 0
     for flat in _placements(windows):
-        rows = [flat[i : i + n_head] for i in range(0, len(flat), n_head)]
-        hits += relay_circuit_possible(rows, gap, reach)
+        hits += bool(possible([flat[i : i + n_head] for i in range(0, len(flat), n_head)]))
         total += 1
     return hits / total, total
+
+
+class RelayCircuit:
+    """``relay_circuit_possible`` as one callable for reports (``experiments/protocol.py``): ``circuit(table)``."""
+
+    def __init__(self, gap: int, reach: int):
+        self.gap, self.reach = gap, reach
+        self.name = f"the relay circuit (a head of window >= {reach} above layers that carry a value {gap} tokens)"
+
+    def __call__(self, table: list[list[int]]) -> bool:
+        return relay_circuit_possible(table, self.gap, self.reach)
+
+
+def relay_placement_chance(table: list[list[int]], gap: int, reach: int) -> tuple[float, int]:
+    """``placement_chance`` of the relay circuit (``relay_circuit_possible``)."""
+    return placement_chance(table, RelayCircuit(gap, reach))
 
 
 class RecallBlocks(Dataset):

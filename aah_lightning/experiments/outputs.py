@@ -24,10 +24,12 @@ def write_outputs(
     rows: list[str],
     curves: dict[tuple[str, int], list],
     heads: dict[tuple[str, int], dict] | None = None,
+    circuit=None,
 ) -> str:
     """Writes the files into ``out`` and returns results.md's table (followed by frontier.md's, for a frontier).
     ``records``: one per run (records.summarise and more); ``rows`` in table order; ``curves``: (row, seed) -> the
-    run's val/loss series; ``heads``: (row, seed) -> records.window_summary's tables."""
+    run's val/loss series; ``heads``: (row, seed) -> records.window_summary's tables; ``circuit``: the task's circuit
+    check for protocol.md's chance lines (``records.task_circuit``), or None."""
     fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
     rows_csv = io.StringIO(newline="")
     writer = csv.DictWriter(rows_csv, fieldnames=fields, restval="")
@@ -52,7 +54,7 @@ def write_outputs(
         plots.plot_recall(out, by_row)
         table += "\n" + frontier
         if any("recall_acc" in x for x in records):  # bimodal outcomes: the exact tests
-            protocol = protocol_md(by_row, rows, heads or {})
+            protocol = protocol_md(by_row, rows, heads or {}, circuit)
             atomic_write_text(os.path.join(out, "protocol.md"), protocol)
             table += "\n" + protocol
     return table

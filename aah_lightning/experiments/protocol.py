@@ -17,6 +17,7 @@ import math
 import re
 from collections import Counter
 
+from aah_lightning.data import recall
 from aah_lightning.experiments import stats
 from aah_lightning.experiments.tables import FRONTIER_ROW, fmt
 
@@ -156,8 +157,12 @@ def compare(a: list[dict], b: list[dict], within: int | None = None) -> dict:
     }
 
 
-def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tuple[str, int], dict]) -> str:
-    """protocol.md's two tables: the rows, and the comparisons with Holm-adjusted exact tests."""
+def protocol_md(
+    by_row: dict[str, list[dict]], rows: list[str], heads: dict[tuple[str, int], dict], circuit=None
+) -> str:
+    """protocol.md's two tables: the rows, and the comparisons with Holm-adjusted exact tests. ``circuit``: for a
+    task whose circuit a table can be checked for (``possible(table) -> bool``, named by its ``name``), the chance
+    lines also say how often a random placement leaves room for it."""
     within = reach({r: by_row.get(r) or [] for r in rows}, heads)
     lines = [
         f"Seeds that learned: final recall >= {LEARNED} over the distances within reach, the widest window of the "
@@ -175,7 +180,7 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
         if recs and "recall_acc" in recs[0]:
             mine = {seed: h for (row, seed), h in heads.items() if row == r}
             lines.append("| " + " | ".join([r, *row_summary(recs, mine, within.get(r))]) + " |")
-    lines += chance_lines(rows, by_row, heads)
+    lines += chance_lines(rows, by_row, heads, circuit)
     pairs = comparisons({r: by_row.get(r) or [] for r in rows})
     results = [compare(by_row[a], by_row[b], within.get(a)) for a, b in pairs]
     flat = [p for res in results for p in res["p"]]
@@ -210,9 +215,12 @@ def protocol_md(by_row: dict[str, list[dict]], rows: list[str], heads: dict[tupl
     return "\n".join(lines) + "\n"
 
 
-def chance_lines(rows: list[str], by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict]) -> list[str]:
+def chance_lines(
+    rows: list[str], by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict], circuit=None
+) -> list[str]:
     """For each budget with a fair-chance row and an oracle: how often a random placement of the oracle's windows
-    puts the widest one in the oracle's layer (``placement_chance``), beside how often the row's draws did."""
+    puts the widest one in the oracle's layer (``placement_chance``), beside how often the row's draws did; with a
+    ``circuit`` (``protocol_md``), how often a random placement leaves room for it, and how often the draws did."""
     out = []
     for r in rows:
         m = FRONTIER_ROW.match(r)
@@ -230,6 +238,13 @@ def chance_lines(rows: list[str], by_row: dict[str, list[dict]], heads: dict[tup
             f"({', '.join(f'L{layer}' for layer in sorted(layers))}) with probability "
             f"{placement_chance(tables[0]):.3f} (counted exactly); its {len(drawn)} seeds' draws did in {hits}."
         )
+        if circuit is not None:
+            chance, placements = recall.placement_chance(tables[0], circuit)
+            room = sum(bool(circuit(t)) for t in drawn)
+            out[-1] += (
+                f" It leaves room for {circuit.name} with probability {chance:.3f} (counted over the {placements} "
+                f"distinct placements); the draws did in {room}."
+            )
     return ["", *out] if out else []
 
 

@@ -153,6 +153,22 @@ def row_policy(base_yaml: str, row_yaml: str) -> str:
     return policy
 
 
+def task_circuit(base_yaml: str):
+    """The circuit a row folder's task needs, as a table check for the reports (``data.recall.RelayCircuit`` for the
+    relay task), or None: read from the folder's ``base.yaml`` (``data.recall.task``, ``relay_gap``, ``seq_len``)."""
+    import yaml
+
+    from aah_lightning.data.config import RecallConfig
+    from aah_lightning.data.recall import RelayCircuit
+
+    with open(base_yaml) as f:
+        data = (yaml.safe_load(f) or {}).get("data") or {}
+    recall = data.get("recall") or {}
+    if data.get("source") != "recall" or recall.get("task") != "relay":
+        return None
+    return RelayCircuit(int(recall.get("relay_gap", RecallConfig.relay_gap)), int(data["seq_len"]))
+
+
 def window_summary(ckpt_path: str) -> tuple[dict[str, float], dict[str, list]]:
     """From a run's last checkpoint: ``nonuniform_share`` (share of its steps at which some layer's heads held
     different windows), ``final_distinct_max`` (most different windows within one layer of the final table), and the

@@ -81,7 +81,7 @@ def _merged(*paths):
 
 ROWS = sorted(
     p
-    for folder in ("recall", "copy", "relay", "retrofit/recall")
+    for folder in ("recall", "copy", "relay", "relay_lean", "retrofit/recall")
     for p in glob.glob(f"{REPO}/configs/{folder}/*.yaml")
     if "base.yaml" not in p
 )

@@ -225,6 +225,12 @@ def test_the_relay_circuit_needs_a_long_head_below_which_the_value_is_carried():
     # the shipped rows (configs/relay): 3 layers, gap 2, the long head must land in layer 2
     shipped = [[2] * 4, [2] * 4, [256, 2, 2, 2]]
     assert relay_placement_chance(shipped, 2, T) == (pytest.approx(1 / 3), 12)
+    # configs/relay_lean: one carrier of window 2 in each of layers 0 and 1, the rest window 1: the 256 in layer 2
+    # (4 of 12 heads) and a 2 in each lower layer (32 of the 110 places of the two 2s): 64 of 660
+    lean = [[2, 1, 1, 1], [2, 1, 1, 1], [256, 1, 1, 1]]
+    assert relay_circuit_possible(lean, 2, T)
+    assert not relay_circuit_possible([[2, 2, 1, 1], [1, 1, 1, 1], [256, 1, 1, 1]], 2, T)  # nothing carries in L1
+    assert relay_placement_chance(lean, 2, T) == (pytest.approx(64 / 660), 660)
     # two long heads: only both in one layer of the first three fails (18 of the 120 placements)
     two = [[2] * 4, [2] * 4, [2] * 4, [256, 256, 2, 2]]
     assert relay_placement_chance(two, gap, T) == (1 - 18 / 120, 120)

@@ -2,6 +2,7 @@
 constructed records."""
 
 import math
+import os
 import random
 
 import pytest
@@ -162,3 +163,38 @@ def test_controller_rows_are_compared_with_fair_chance_and_the_chance_is_printed
     assert ("random_any_acr0.25", "oracle_acr0.25") not in protocol.comparisons(by_row)  # a control, not a mechanism
     assert "| reach_gain_kept_acr0.25 | random_any_acr0.25 | 10/10 vs 5/10 |" in md
     assert "(L1) with probability 0.500 (counted exactly); its 10 seeds' draws did in 5." in md
+
+
+def test_on_the_relay_task_the_chance_line_also_counts_room_for_the_circuit():
+    """With the task's circuit (records.task_circuit of a relay folder), the chance line adds how often a random
+    placement leaves room for the whole circuit (the carriers included), beside how often the draws did: for the
+    lean relay table, the widest window in layer 2 is 1/3 but the circuit 64/660."""
+    from aah_lightning.data.recall import RelayCircuit
+
+    oracle = [[2, 1, 1, 1], [2, 1, 1, 1], [256, 1, 1, 1]]
+    drawn = [
+        [[1, 1, 2, 1], [1, 2, 1, 1], [1, 1, 256, 1]],  # room: a carrier in each lower layer, the 256 on top
+        [[2, 2, 1, 1], [1, 1, 1, 1], [1, 256, 1, 1]],  # the 256 on top but nothing carries in layer 1
+        [[256, 1, 1, 1], [2, 1, 1, 1], [2, 1, 1, 1]],  # the 256 at the bottom
+    ]
+    by_row = {
+        "oracle_acr0.088": records("oracle_acr0.088", [1.0] * 3),
+        "random_any_acr0.088": records("random_any_acr0.088", [1.0, 0.2, 0.2]),
+    }
+    heads = {("oracle_acr0.088", s): {"final_table": oracle} for s in range(3)}
+    heads |= {("random_any_acr0.088", s): {"final_table": drawn[s]} for s in range(3)}
+    plain = protocol.protocol_md(by_row, list(by_row), heads)
+    assert "(L2) with probability 0.333 (counted exactly); its 3 seeds' draws did in 2." in plain
+    assert "relay circuit" not in plain
+    md = protocol.protocol_md(by_row, list(by_row), heads, RelayCircuit(2, 256))
+    assert "leaves room for the relay circuit" in md
+    assert "with probability 0.097 (counted over the 660 distinct placements); the draws did in 1." in md
+
+
+def test_the_relay_folders_name_their_circuit():
+    from aah_lightning.experiments.records import task_circuit
+
+    repo = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    lean = task_circuit(os.path.join(repo, "relay_lean", "base.yaml"))
+    assert (lean.gap, lean.reach) == (2, 256)
+    assert task_circuit(os.path.join(repo, "recall", "base.yaml")) is None
