@@ -39,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from aah_lightning.experiments.outputs import write_outputs
+from aah_lightning.experiments.protocol import LEARNED
 from aah_lightning.experiments.records import (
     checkpoint_dir,
     interrupted_time,
@@ -139,6 +140,13 @@ def main(argv=None) -> None:
         default=[],
         help="earlier suites' output folders (results.csv, tables.json): their runs of these rows and seeds join the "
         "comparison where this --out has none (rows measured in another session, e.g. docs/frontier_recall10)",
+    )
+    p.add_argument(
+        "--learned-at",
+        type=float,
+        default=LEARNED,
+        help=f"recall tasks: the final recall at which a seed counts as having learned (default {LEARNED}; lower only "
+        "for a task whose formed circuit tops out below it, and fix it before the runs)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
@@ -256,7 +264,7 @@ def main(argv=None) -> None:
         print(f"merged from {folder}: {len(more)} runs", flush=True)
     records.sort(key=lambda r: (rows.index(r["row"]), r["seed"]))  # the outputs list row by row
     circuit = task_circuit(os.path.join(args.rows, "base.yaml"))
-    print(write_outputs(args.out, records, rows, curves, heads, circuit))
+    print(write_outputs(args.out, records, rows, curves, heads, circuit, args.learned_at))
     print(
         f"suite wall time: {time.time() - started:.0f} s (this invocation); "
         f"sum of run times: {sum(r['wall_s'] for r in records):.0f} s"

@@ -12,7 +12,7 @@ import os
 
 from aah_lightning.atomic import atomic_write_text
 from aah_lightning.experiments import plots
-from aah_lightning.experiments.protocol import protocol_md
+from aah_lightning.experiments.protocol import LEARNED, protocol_md
 from aah_lightning.experiments.records import COLUMNS, eval_lengths
 from aah_lightning.experiments.stats import baseline_by_seed
 from aah_lightning.experiments.tables import FRONTIER_ROW, frontier_md, position_tables, results_table
@@ -25,11 +25,13 @@ def write_outputs(
     curves: dict[tuple[str, int], list],
     heads: dict[tuple[str, int], dict] | None = None,
     circuit=None,
+    learned_at: float = LEARNED,
 ) -> str:
     """Writes the files into ``out`` and returns results.md's table (followed by frontier.md's, for a frontier).
     ``records``: one per run (records.summarise and more); ``rows`` in table order; ``curves``: (row, seed) -> the
     run's val/loss series; ``heads``: (row, seed) -> records.window_summary's tables; ``circuit``: the task's circuit
-    check for protocol.md's chance lines (``records.task_circuit``), or None."""
+    check for protocol.md's chance lines (``records.task_circuit``), or None; ``learned_at``: protocol.md's recall
+    line for a seed that learned."""
     fields = list(dict.fromkeys(["row", "seed", "wall_s", *COLUMNS, *(k for x in records for k in x)]))
     rows_csv = io.StringIO(newline="")
     writer = csv.DictWriter(rows_csv, fieldnames=fields, restval="")
@@ -54,7 +56,7 @@ def write_outputs(
         plots.plot_recall(out, by_row)
         table += "\n" + frontier
         if any("recall_acc" in x for x in records):  # bimodal outcomes: the exact tests
-            protocol = protocol_md(by_row, rows, heads or {}, circuit)
+            protocol = protocol_md(by_row, rows, heads or {}, circuit, learned_at)
             atomic_write_text(os.path.join(out, "protocol.md"), protocol)
             table += "\n" + protocol
     return table

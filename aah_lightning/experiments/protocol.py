@@ -54,8 +54,8 @@ def recall_within(rec: dict, reach: int | None) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def learned(rec: dict, reach: int | None = None) -> bool:
-    return recall_within(rec, reach) >= LEARNED
+def learned(rec: dict, reach: int | None = None, at: float = LEARNED) -> bool:
+    return recall_within(rec, reach) >= at
 
 
 def reach(by_row: dict[str, list[dict]], heads: dict[tuple[str, int], dict]) -> dict[str, int | None]:
@@ -84,10 +84,10 @@ def long_head_layer(table: list[list[int]]) -> str:
     return "+".join(f"L{layer}" for layer, row in enumerate(table) if widest in row)
 
 
-def row_summary(recs: list[dict], heads: dict[int, dict], within: int | None = None) -> list[str]:
-    k, n = sum(learned(x, within) for x in recs), len(recs)
+def row_summary(recs: list[dict], heads: dict[int, dict], within: int | None = None, at: float = LEARNED) -> list[str]:
+    k, n = sum(learned(x, within, at) for x in recs), len(recs)
     low, high = stats.clopper_pearson(k, n)
-    far = [far_recall(x) for x in recs if learned(x, within)]
+    far = [far_recall(x) for x in recs if learned(x, within, at)]
     tables = [heads[x["seed"]]["final_table"] for x in recs if x["seed"] in heads]
     layers = Counter(long_head_layer(t) for t in tables)
     widest = Counter(max(max(r) for r in t) for t in tables)
@@ -139,10 +139,10 @@ def placement_chance(table: list[list[int]]) -> float:
     return 1.0 - math.comb(heads - good, n) / math.comb(heads, n)
 
 
-def compare(a: list[dict], b: list[dict], within: int | None = None) -> dict:
+def compare(a: list[dict], b: list[dict], within: int | None = None, at: float = LEARNED) -> dict:
     """The exact tests of row ``a`` against row ``b`` (the same budget, so the same reach): counts (Fisher) and
     seed-paired recall differences."""
-    ka, kb = sum(learned(x, within) for x in a), sum(learned(x, within) for x in b)
+    ka, kb = sum(learned(x, within, at) for x in a), sum(learned(x, within, at) for x in b)
     recall_b = {x["seed"]: x.get("recall_acc", math.nan) for x in b}
     diffs = [x["recall_acc"] - recall_b[x["seed"]] for x in a if x["seed"] in recall_b]
     return {
@@ -158,14 +158,19 @@ def compare(a: list[dict], b: list[dict], within: int | None = None) -> dict:
 
 
 def protocol_md(
-    by_row: dict[str, list[dict]], rows: list[str], heads: dict[tuple[str, int], dict], circuit=None
+    by_row: dict[str, list[dict]],
+    rows: list[str],
+    heads: dict[tuple[str, int], dict],
+    circuit=None,
+    learned_at: float = LEARNED,
 ) -> str:
     """protocol.md's two tables: the rows, and the comparisons with Holm-adjusted exact tests. ``circuit``: for a
     task whose circuit a table can be checked for (``possible(table) -> bool``, named by its ``name``), the chance
-    lines also say how often a random placement leaves room for it."""
+    lines also say how often a random placement leaves room for it. ``learned_at``: the final recall at which a seed
+    counts as having learned (``LEARNED`` unless a task's circuit tops out lower; fixed before the runs)."""
     within = reach({r: by_row.get(r) or [] for r in rows}, heads)
     lines = [
-        f"Seeds that learned: final recall >= {LEARNED} over the distances within reach, the widest window of the "
+        f"Seeds that learned: final recall >= {learned_at} over the distances within reach, the widest window of the "
         "oracle's table at the same budget (all: every distance; where a table held for the whole run cannot be as "
         f"wide as the context, every row of that budget is judged within the oracle's reach). Far recall: mean over the distance "
         f"buckets past {FAR} tokens, of the seeds that learned. Long head: the layer holding the final table's widest "
@@ -179,10 +184,10 @@ def protocol_md(
         recs = by_row.get(r) or []
         if recs and "recall_acc" in recs[0]:
             mine = {seed: h for (row, seed), h in heads.items() if row == r}
-            lines.append("| " + " | ".join([r, *row_summary(recs, mine, within.get(r))]) + " |")
+            lines.append("| " + " | ".join([r, *row_summary(recs, mine, within.get(r), learned_at)]) + " |")
     lines += chance_lines(rows, by_row, heads, circuit)
     pairs = comparisons({r: by_row.get(r) or [] for r in rows})
-    results = [compare(by_row[a], by_row[b], within.get(a)) for a, b in pairs]
+    results = [compare(by_row[a], by_row[b], within.get(a), learned_at) for a, b in pairs]
     flat = [p for res in results for p in res["p"]]
     adjusted = stats.holm(flat)
     lines += [

@@ -198,3 +198,17 @@ def test_the_relay_folders_name_their_circuit():
     lean = task_circuit(os.path.join(repo, "relay_lean", "base.yaml"))
     assert (lean.gap, lean.reach) == (2, 256)
     assert task_circuit(os.path.join(repo, "recall", "base.yaml")) is None
+
+
+def test_the_learned_line_is_the_reports_setting():
+    """A task whose formed circuit tops out below 0.9 is read at the line fixed for it: the same seeds count as
+    learned at 0.5 and not at the default."""
+    by_row = {
+        "oracle_acr0.088": records("oracle_acr0.088", [0.82] * 4 + [0.1] * 2),
+        "span_full_acr0.088": records("span_full_acr0.088", [0.8] * 2 + [0.06] * 4),
+    }
+    default = protocol.protocol_md(by_row, list(by_row), {})
+    assert "final recall >= 0.9 over" in default and "| 0/6 |" in default
+    lower = protocol.protocol_md(by_row, list(by_row), {}, learned_at=0.5)
+    assert "final recall >= 0.5 over" in lower
+    assert "| span_full_acr0.088 | oracle_acr0.088 | 2/6 vs 4/6 |" in lower
