@@ -38,6 +38,19 @@ def reference(q, k, v, span, width, docs=None):
     return (p / p.sum(-1, keepdim=True)) @ v
 
 
+def assert_matches_reference(q, k, v, span, width, docs, g):
+    """The ramped attention and the gradients of q, k, v and the spans against the float64 reference; returns the
+    gradients."""
+    out, ref = soft_span_attention(q, k, v, span, width, docs), reference(q, k, v, span, width, docs)
+    assert torch.allclose(out, ref, atol=1e-12)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v, span))
+    expected = torch.autograd.grad((ref * w).sum(), (q, k, v, span))
+    for a, b in zip(grads, expected):
+        assert torch.allclose(a, b, atol=1e-10)
+    return grads
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_soft_span_attention_matches_the_float64_reference_forward_and_backward(kv_heads):
     g = torch.Generator().manual_seed(0)
@@ -47,13 +60,7 @@ def test_soft_span_attention_matches_the_float64_reference_forward_and_backward(
     v = torch.randn(B, kv_heads, T, D, generator=g, dtype=torch.float64, requires_grad=True)
     # random spans, off the ramp's kinks, from none (only the ramp) to past the sequence
     span = torch.tensor([0.3, 6.7, 13.2, 30.0], dtype=torch.float64, requires_grad=True)
-    out, ref = soft_span_attention(q, k, v, span, R, None), reference(q, k, v, span, R)
-    assert torch.allclose(out, ref, atol=1e-12)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v, span))
-    expected = torch.autograd.grad((ref * w).sum(), (q, k, v, span))
-    for a, b in zip(grads, expected):
-        assert torch.allclose(a, b, atol=1e-10)
+    grads = assert_matches_reference(q, k, v, span, R, None, g)
     assert bool((grads[3][:3] != 0).all())  # every span inside the sequence gets gradient
     assert grads[3][3] == 0  # a span past the sequence: every key at full weight, no gradient
     assert torch.autograd.gradcheck(lambda s: soft_span_attention(q, k, v, s, R, None), (span,))
@@ -73,13 +80,7 @@ def test_the_banded_ramp_over_many_chunks_and_documents_matches_the_float64_refe
     if with_docs:
         docs = torch.zeros(B, T, dtype=torch.long)
         docs[0, 37:], docs[0, 120:], docs[1, 90:] = 1, 2, 1
-    out, ref = soft_span_attention(q, k, v, span, R, docs), reference(q, k, v, span, R, docs)
-    assert torch.allclose(out, ref, atol=1e-12)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v, span))
-    expected = torch.autograd.grad((ref * w).sum(), (q, k, v, span))
-    for a, b in zip(grads, expected):
-        assert torch.allclose(a, b, atol=1e-10)
+    grads = assert_matches_reference(q, k, v, span, R, docs, g)
     assert bool((grads[3][:5] != 0).all())
 
 
