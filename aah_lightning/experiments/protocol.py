@@ -225,7 +225,8 @@ def chance_lines(
 ) -> list[str]:
     """For each budget with a fair-chance row and an oracle: how often a random placement of the oracle's windows
     puts the widest one in the oracle's layer (``placement_chance``), beside how often the row's draws did; with a
-    ``circuit`` (``protocol_md``), how often a random placement leaves room for it, and how often the draws did."""
+    ``circuit`` (``protocol_md``), how often a random placement leaves room for it, how often the draws did, and
+    how many of each row's final tables do."""
     out = []
     for r in rows:
         m = FRONTIER_ROW.match(r)
@@ -250,6 +251,14 @@ def chance_lines(
                 f" It leaves room for {circuit.name} with probability {chance:.3f} (counted over the {placements} "
                 f"distinct placements); the draws did in {room}."
             )
+    if circuit is not None:
+        counts = []
+        for r in rows:
+            tables = [h["final_table"] for (row, _), h in heads.items() if row == r]
+            if tables and by_row.get(r):
+                counts.append(f"{r} {sum(bool(circuit(t)) for t in tables)}/{len(tables)}")
+        if counts:
+            out.append(f"Final tables with room for {circuit.name}: {', '.join(counts)}.")
     return ["", *out] if out else []
 
 

@@ -189,6 +189,7 @@ def test_on_the_relay_task_the_chance_line_also_counts_room_for_the_circuit():
     md = protocol.protocol_md(by_row, list(by_row), heads, RelayCircuit(2, 256))
     assert "leaves room for the relay circuit" in md
     assert "with probability 0.097 (counted over the 660 distinct placements); the draws did in 1." in md
+    assert "with room for the relay circuit (" in md and "oracle_acr0.088 3/3, random_any_acr0.088 1/3." in md
 
 
 def test_the_relay_folders_name_their_circuit():
