@@ -320,7 +320,8 @@ def _layer(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, b: int | None, bia
     def run(qg: Tensor, kg: Tensor, vg: Tensor, g: HeadGroup) -> Tensor:
         if bias is None:
             return _group(qg, kg, vg, g, b)
-        heads = torch.arange(g.start, g.stop) if plan.order is None else plan.order[g.start : g.stop].cpu()
+        # on q's device: no host copy on the training path
+        heads = torch.arange(g.start, g.stop, device=q.device) if plan.order is None else plan.order[g.start : g.stop]
         return _biased_group(qg, kg, vg, g, b, functools.partial(bias, heads))
 
     if len(plan.groups) == 1:
@@ -334,7 +335,7 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, plan: BandedPlan, bias=Non
     """q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` -> ``[B, H, T, D]``, exactly the mask_mod's attention.
 
     ``bias``: None, or ``bias(heads, distance)`` -> ``[len(heads), *distance.shape]``, an additive score bias for the
-    layer's heads ``heads`` (a CPU index tensor) at float64 distances (query minus key), ``-inf`` to mask a key; the
+    layer's heads ``heads`` (an index tensor on q's device) at float64 distances (query minus key), ``-inf`` to mask a key; the
     learned span's ramp (``soft_span.py``) is one. The scores are biased only inside each head's window."""
     if q.shape[2] != plan.seq_len:
         raise ValueError(f"banded plan built for T={plan.seq_len}, called with T={q.shape[2]}")
