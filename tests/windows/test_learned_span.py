@@ -109,6 +109,34 @@ def test_the_ramp_scores_only_the_keys_of_its_hard_windows(monkeypatch):
     assert sum(scored) < 0.2 * H * T * T  # the dense ramp scored H T^2
 
 
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_ramp_runs_on_the_planners_banded_plan_without_building_another(monkeypatch, with_docs):
+    # The hard plan the planner built for a forward is already the ramp's banded plan: the ramp takes it as it is
+    # (no second plan, no second set of document masks per batch) and gives what a plan built for it gives.
+    from aah_lightning.model.attention import banded
+    from aah_lightning.model.attention.soft_span import SoftSpanPlan
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, R = 2, 4, 96, 2
+    q, k, v = (torch.randn(B, H, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    docs = None
+    if with_docs:
+        docs = torch.zeros(B, T, dtype=torch.long)
+        docs[0, 40:], docs[1, 70:] = 1, 1
+    span = torch.tensor([3.5, 30.0, 7.2, 60.0], dtype=torch.float64)
+    hard = (span + R).ceil().int().tolist()
+    expected = soft_span_attention(q, k, v, span, R, docs)  # builds its own plan
+    plan = SoftSpanPlan(span, R, docs, banded.build_plan(hard, T, docs))
+    built = []
+    monkeypatch.setattr(banded, "build_plan", lambda *a, **kw: built.append(a))
+    assert torch.equal(plan(q, k, v), expected)
+    assert built == []
+    # a hard plan with sink columns is not the ramp's plan: the ramp builds its own
+    monkeypatch.undo()
+    sunk = SoftSpanPlan(span, R, docs, banded.build_plan(hard, T, docs, sink=2))
+    assert torch.equal(sunk(q, k, v), expected)
+
+
 def test_a_span_past_the_sequence_is_full_attention_and_the_ramp_masks_past_span_plus_width():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))

@@ -36,17 +36,19 @@ def span_ramp(distance: Tensor, span: Tensor, width: int) -> Tensor:
 
 
 def soft_span_attention(
-    q: Tensor, k: Tensor, v: Tensor, span: Tensor, width: int, docs: Tensor | None, row=None
+    q: Tensor, k: Tensor, v: Tensor, span: Tensor, width: int, docs: Tensor | None, row=None, plan=None
 ) -> Tensor:
     """Causal attention of ``q`` ``[B, H, T, D]`` over ``k``, ``v`` ``[B, Hkv, T, D]`` with each head's ramp (``span``
     ``[H]``, differentiable) applied after the softmax; ``docs`` ``[B, T]`` keeps each query in its document. ``row``:
     the heads' hard windows (ints; default ``min(T, ceil(span + width))``, the keys the ramp reaches): only their keys
-    are scored."""
+    are scored. ``plan``: a banded plan of exactly those windows (and ``docs``, no sink columns), if one is built
+    already; else one is built here."""
     T = q.shape[2]
     dtype = torch.promote_types(q.dtype, torch.float32)
     if row is None:
         row = (span.detach() + width).ceil().clamp(1, T).int().tolist()
-    plan = banded.build_plan(row, T, docs, q.device)
+    if plan is None:
+        plan = banded.build_plan(row, T, docs, q.device)
     z = span.to(dtype)
     tiny = torch.finfo(dtype).tiny
 
@@ -70,7 +72,10 @@ class SoftSpanPlan:
         self.span, self.width, self.docs, self.hard = span, width, docs, hard
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return soft_span_attention(q, k, v, self.span, self.width, self.docs, self.hard.row)
+        hard = self.hard
+        # the planner's banded plan of the same windows is the ramp's plan: no second one per forward
+        reuse = isinstance(hard, banded.BandedPlan) and hard.sink == 0 and (hard.batch is None) == (self.docs is None)
+        return soft_span_attention(q, k, v, self.span, self.width, self.docs, hard.row, plan=hard if reuse else None)
 
     def computed_pairs(self, block_size: int) -> int:  # what the banded ramp computes, whatever the hard plan's kernel
         return sum(banded.biased_band_pairs(w, self.seq_len) for w in self.row)
