@@ -139,7 +139,8 @@ def main(argv=None) -> None:
         nargs="*",
         default=[],
         help="earlier suites' output folders (results.csv, tables.json): their runs of these rows and seeds join the "
-        "comparison where this --out has none (rows measured in another session, e.g. docs/frontier_recall10)",
+        "comparison where this --out has none, and are not run again (rows measured in another session or on another "
+        "machine, e.g. docs/frontier_recall10)",
     )
     p.add_argument(
         "--learned-at",
@@ -175,9 +176,18 @@ def main(argv=None) -> None:
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     # Seed-major: an interrupted suite has every row's first seeds before any row's last ones.
     runs = [(path, seed) for seed in args.seeds for path in files]
+    recorded = {(r["row"], r["seed"]) for folder in args.merge for r in merged_records(folder, rows, args.seeds)[0]}
+
+    def measured_elsewhere(path: str, seed: int) -> bool:
+        """A --merge folder holds this run and --out has not finished it: it is not run here."""
+        done = os.path.join(run_dir(args.out, row_name(path), seed), "done")
+        return (row_name(path), seed) in recorded and not os.path.exists(done)
+
     long_validations = [(n, span) for n in args.eval_seq_lens for span in [False, *([True] * args.eval_trained_span)]]
     if args.dry_run:
         for path, seed in runs:
+            if measured_elsewhere(path, seed):
+                continue
             print(" ".join(shlex.quote(a) for a in fit_command(args.rows, path, seed, args.out, extra)))
             for n, span in long_validations:
                 cmd = validate_command(args.rows, path, seed, args.out, extra, n, span)
@@ -193,6 +203,8 @@ def main(argv=None) -> None:
     def run(path: str, seed: int) -> dict:
         rd = run_dir(args.out, row_name(path), seed)
         done = os.path.join(rd, "done")
+        if measured_elsewhere(path, seed):
+            return None  # its record joins from the --merge folder below
         if args.report and not os.path.exists(done):
             return None  # not run (yet): left out of the comparison
         if args.rerun:

@@ -261,3 +261,27 @@ def test_a_report_merged_from_recorded_results_rebuilds_their_tables(tmp_path):
     assert not any(out.glob("*/seed*"))  # nothing was run
     for name in ("protocol.md", "frontier.md"):
         assert (out / name).read_text() == open(os.path.join(recorded, name)).read()
+
+
+def test_runs_a_merge_folder_holds_are_not_run_again(tmp_path, capsys):
+    """A test that outlives one machine resumes from its recorded results: with ``--merge FOLDER`` the runs the
+    folder holds are not started, the others are, and a run --out has finished is still read from --out."""
+    recorded = os.path.join(REPO, "docs", "frontier_recall10")
+    rows = os.path.join(REPO, "configs", "recall")
+    with open(os.path.join(recorded, "results.csv")) as f:
+        held = {(r["row"], int(r["seed"])) for r in csv.DictReader(f)}
+    row, seed = sorted(held)[0]
+    missing = max(s for _, s in held) + 1  # a seed the folder does not hold
+    args = ["--rows", rows, "--only", row, "--seeds", str(seed), str(missing), "--dry-run"]
+
+    def planned(*more):
+        capsys.readouterr()
+        assert run_tool("suite", *args, "--out", str(tmp_path / "out"), *more) == 0
+        return {int(a.split("=")[1]) for a in capsys.readouterr().out.split() if a.startswith("--seed_everything=")}
+
+    assert planned() == {seed, missing}
+    assert planned("--merge", recorded) == {missing}
+    done = tmp_path / "out" / row / f"seed{seed}"
+    done.mkdir(parents=True)
+    (done / "done").write_text("1.0\n")
+    assert planned("--merge", recorded) == {seed, missing}  # --out's own finished run wins over the folder's record
