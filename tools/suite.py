@@ -176,7 +176,8 @@ def main(argv=None) -> None:
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     # Seed-major: an interrupted suite has every row's first seeds before any row's last ones.
     runs = [(path, seed) for seed in args.seeds for path in files]
-    recorded = {(r["row"], r["seed"]) for folder in args.merge for r in merged_records(folder, rows, args.seeds)[0]}
+    merged = {folder: merged_records(folder, rows, args.seeds) for folder in args.merge}  # read once, used twice
+    recorded = {(r["row"], r["seed"]) for more, _ in merged.values() for r in more}
 
     def measured_elsewhere(path: str, seed: int) -> bool:
         """A --merge folder holds this run and --out has not finished it: it is not run here."""
@@ -266,9 +267,8 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             pool.shutdown(cancel_futures=True)
             sys.exit(str(e))
-    for folder in args.merge:  # earlier measurements of runs this --out does not hold (no curves: not plotted)
+    for folder, (more, more_heads) in merged.items():  # earlier measurements of runs --out does not hold (no curves)
         have = {(r["row"], r["seed"]) for r in records}
-        more, more_heads = merged_records(folder, rows, args.seeds)
         more = [r for r in more if (r["row"], r["seed"]) not in have]
         records += more
         heads.update({k: v for k, v in more_heads.items() if k not in heads and k not in have})
